@@ -1,0 +1,509 @@
+"""Runs one profiling training step through the captured graph and records an ActivationGraph.
+
+Memory is measured, not inferred from shapes: a `LiveStorageTracker` counts storages, and
+`torch.autograd.graph.saved_tensors_hooks` reports what autograd really keeps for each node (a Linear
+its input, a ReLU its output, a view nothing new), attributed to storages so that a tensor saved by
+two nodes counts once. Backward is segmented per node by pre-hooks on each node's `grad_fn`; autograd
+on one device runs nodes in reverse creation order, which is the graph's reverse execution order.
+
+The profiling step leaves the model as it found it: gradients go to `torch.autograd.grad` instead of
+`.grad`, and the RNG state and every buffer (BatchNorm statistics) are restored afterwards.
+
+Residuals are calibrated against the simulator itself (see NOTE [measured residuals] in ir.py): the
+activation memory the simulator predicts without checkpointing is subtracted from the measured peak at
+each node, so what remains is what no schedule changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from planner.capture import Capture
+from planner.ir import ActivationGraph, Node, Phase, StaticBytes
+from planner.measure import LiveStorageTracker, OptimizerSpec, make_optimizer, tensors_in
+from planner.simulate import simulate, store_everything
+
+__all__ = ["build_activation_graph", "LOSS_NODE"]
+
+LOSS_NODE = "loss"
+TIMING_REPEATS = 3
+"""Timed profiling steps after the measuring one; per-node times are their medians."""
+
+RANDOM_MODULES = (torch.nn.modules.dropout._DropoutNd,)
+RANDOM_FUNCTIONS = {
+    torch.nn.functional.dropout,
+    torch.nn.functional.dropout1d,
+    torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d,
+    torch.nn.functional.alpha_dropout,
+    torch.bernoulli,
+    torch.rand,
+    torch.randn,
+    torch.rand_like,
+    torch.randn_like,
+}
+
+
+@dataclass
+class _NodeRecord:
+    """What the measuring step learned about one node."""
+
+    name: str
+    op: str
+    module_path: str
+    inputs: tuple[str, ...]
+    creates: list[str] = field(default_factory=list)
+    reads: list[str] = field(default_factory=list)
+    saves: list[str] = field(default_factory=list)
+    saves_anything: bool = False
+    forward_peak_bytes: int = 0
+    backward_peak_bytes: int | None = None
+    parameter_gradient_bytes: int = 0
+    random: bool = False
+    stateful: bool = False
+    in_place: bool = False
+    checkpointable: bool = True
+
+
+class _ProfilingTracker(LiveStorageTracker):
+    """A storage tracker that also names activation storages and remembers which are new."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.static_keys: set[int] = set()
+        self.names: dict[int, str] = {}
+        self.storage_bytes: dict[str, int] = {}
+        self.new_since_mark: list[weakref.ref[torch.UntypedStorage]] = []
+
+    def _register(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        fresh = id(storage) not in self._tracked and storage.nbytes() > 0
+        super()._register(tensor)
+        if fresh:
+            self.new_since_mark.append(weakref.ref(storage))
+
+    def name_of(self, tensor: torch.Tensor, *, create: bool) -> str | None:
+        """Name of an activation storage (None for static ones); `create` names a new storage."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self.static_keys or storage.nbytes() == 0:
+            return None
+        if key not in self.names:
+            if not create:
+                return None
+            name = f"s{len(self.storage_bytes)}"
+            self.names[key] = name
+            self.storage_bytes[name] = storage.nbytes()
+            weakref.finalize(storage, self.names.pop, key, None)
+        return self.names[key]
+
+    def fresh_storage_ids(self) -> set[int]:
+        """Storages registered since the last call that are still alive."""
+        alive = {id(storage) for ref in self.new_since_mark if (storage := ref()) is not None}
+        self.new_since_mark = []
+        return alive
+
+
+def _describe(node: fx.Node, graph_module: fx.GraphModule) -> tuple[str, str]:
+    """(human op label, module path) of an FX node."""
+    if node.op == "call_module":
+        module = graph_module.get_submodule(str(node.target))
+        return f"{type(module).__name__}", str(node.target)
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target)), ""
+    return f".{node.target}()", ""
+
+
+def _flags(node: fx.Node, graph_module: fx.GraphModule) -> dict[str, bool]:
+    if node.op == "call_module":
+        module = graph_module.get_submodule(str(node.target))
+        return {
+            "random": isinstance(module, RANDOM_MODULES),
+            "stateful": any(True for _ in module.buffers()),
+            "in_place": bool(getattr(module, "inplace", False)),
+        }
+    target_name = getattr(node.target, "__name__", str(node.target))
+    return {
+        "random": node.target in RANDOM_FUNCTIONS,
+        "stateful": False,
+        "in_place": bool(node.kwargs.get("inplace", False)) or (node.op == "call_method" and target_name.endswith("_")),
+    }
+
+
+class _ProfilingInterpreter(fx.Interpreter):
+    """Runs the graph node by node, attributing memory, saved tensors and grad_fns to FX nodes."""
+
+    def __init__(self, graph_module: fx.GraphModule, tracker: _ProfilingTracker | None) -> None:
+        super().__init__(graph_module)
+        self.tracker = tracker
+        self.records: dict[str, _NodeRecord] = {}
+        self.order: list[str] = []
+        self.forward_ms: dict[str, float] = {}
+        self.grad_fn_owner: dict[int, str] = {}
+        self.hooked_grad_fns: list[Any] = []
+        self.current: _NodeRecord | None = None
+        self.created: set[str] = set()
+
+    def start_node(self, record: _NodeRecord) -> None:
+        self.records[record.name] = record
+        self.order.append(record.name)
+        self.current = record
+        if self.tracker is not None:
+            self.tracker.fresh_storage_ids()
+            self.tracker.reset_peak()
+
+    def finish_node(self, record: _NodeRecord, args: Any, output: Any) -> None:
+        tracker = self.tracker
+        if tracker is not None:
+            record.forward_peak_bytes = tracker.peak_bytes
+            fresh = tracker.fresh_storage_ids()
+            for tensor in tensors_in(output):
+                if id(tensor.untyped_storage()) in fresh:
+                    name = tracker.name_of(tensor, create=True)
+                    if name is not None and name not in self.created:
+                        self.created.add(name)
+                        record.creates.append(name)
+            for tensor in tensors_in(args):
+                name = tracker.name_of(tensor, create=False)
+                if name is not None and name not in record.reads:
+                    record.reads.append(name)
+        for tensor in tensors_in(output):
+            grad_fn = tensor.grad_fn
+            if grad_fn is not None and id(grad_fn) not in self.grad_fn_owner:
+                self.grad_fn_owner[id(grad_fn)] = record.name
+                self.hooked_grad_fns.append(grad_fn)
+        self.current = None
+
+    def on_pack(self, tensor: torch.Tensor) -> None:
+        record = self.current
+        if record is None or self.tracker is None:
+            return
+        record.saves_anything = True
+        name = self.tracker.name_of(tensor, create=True)
+        if name is None:
+            return
+        if name not in record.saves:
+            record.saves.append(name)
+        if name not in self.created:
+            self.created.add(name)
+            record.creates.append(name)
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op not in ("call_module", "call_function", "call_method"):
+            return super().run_node(n)
+        op, module_path = _describe(n, self.module)  # type: ignore[arg-type]
+        record = _NodeRecord(
+            name=n.name,
+            op=op,
+            module_path=module_path,
+            inputs=tuple(str(a) for a in n.all_input_nodes),
+            **_flags(n, self.module),  # type: ignore[arg-type]
+        )
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        self.start_node(record)
+        started = time.perf_counter()
+        output = getattr(self, n.op)(n.target, args, kwargs)
+        self.forward_ms[n.name] = (time.perf_counter() - started) * 1e3
+        self.finish_node(record, (args, kwargs), output)
+        return output
+
+
+@contextmanager
+def _preserved_state(model: torch.nn.Module) -> Iterator[None]:
+    """Restore RNG state and buffers (BatchNorm statistics) after profiling."""
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+
+def _grad_targets(model: torch.nn.Module, inputs: tuple[Any, ...]) -> list[torch.Tensor]:
+    targets: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+    targets += [t for t in tensors_in(inputs) if t.requires_grad]
+    return targets
+
+
+@dataclass
+class _BackwardClock:
+    """Segments backward into per-node intervals opened by grad_fn pre-hooks."""
+
+    interpreter: _ProfilingInterpreter
+    tracker: LiveStorageTracker | None
+    current: str | None = None
+    opened_at: float = 0.0
+    backward_ms: dict[str, float] = field(default_factory=dict)
+
+    def open(self, name: str) -> None:
+        self.close()
+        if self.tracker is not None:
+            self.tracker.reset_peak()
+        self.current = name
+        self.opened_at = time.perf_counter()
+
+    def close(self) -> None:
+        if self.current is None:
+            return
+        record = self.interpreter.records[self.current]
+        self.backward_ms[self.current] = self.backward_ms.get(self.current, 0.0) + (
+            time.perf_counter() - self.opened_at
+        ) * 1e3
+        if self.tracker is not None:
+            record.backward_peak_bytes = max(record.backward_peak_bytes or 0, self.tracker.peak_bytes)
+            self.tracker.reset_peak()
+        self.current = None
+
+
+def _profile_step(
+    graph_module: fx.GraphModule,
+    inputs: tuple[Any, ...],
+    loss_fn: Callable[[Any], torch.Tensor],
+    targets: list[torch.Tensor],
+    tracker: _ProfilingTracker | None,
+) -> tuple[_ProfilingInterpreter, _BackwardClock]:
+    interpreter = _ProfilingInterpreter(graph_module, tracker)
+    clock = _BackwardClock(interpreter, tracker)
+    hooks = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (interpreter.on_pack(t), t)[1], lambda t: t):
+        output = interpreter.run(*inputs)
+        interpreter.env.clear()  # the interpreter keeps the output node's value; the model does not
+        loss_record = _NodeRecord(
+            name=LOSS_NODE, op="loss_fn", module_path="", inputs=(), checkpointable=False
+        )
+        interpreter.start_node(loss_record)
+        started = time.perf_counter()
+        loss = loss_fn(output)
+        interpreter.forward_ms[LOSS_NODE] = (time.perf_counter() - started) * 1e3
+        interpreter.finish_node(loss_record, output, loss)
+        del output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+        raise ValueError(
+            "loss_fn must return a scalar tensor that requires grad; got "
+            f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}. Check that the model has "
+            "trainable parameters and that loss_fn uses the model's output."
+        )
+    for grad_fn in interpreter.hooked_grad_fns:
+        owner = interpreter.grad_fn_owner[id(grad_fn)]
+        hooks.append(grad_fn.register_prehook(lambda _grads, owner=owner: clock.open(owner)))
+    interpreter.hooked_grad_fns = []
+
+    def on_gradient(target: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(gradient: torch.Tensor) -> None:
+            if clock.current is not None:
+                interpreter.records[clock.current].parameter_gradient_bytes += gradient.untyped_storage().nbytes()
+
+        return hook
+
+    hooks += [target.register_hook(on_gradient(target)) for target in targets]
+    try:
+        gradients = torch.autograd.grad(loss, targets, allow_unused=True)
+        clock.close()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    del gradients, loss
+    return interpreter, clock
+
+
+def _unique_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if id(storage) not in seen:
+            seen.add(id(storage))
+            total += storage.nbytes()
+    return total
+
+
+def _optimizer_bytes(spec: OptimizerSpec, parameters: list[torch.nn.Parameter]) -> tuple[int, int]:
+    """(state bytes, step workspace bytes) of the optimizer, probed on one copy per parameter shape."""
+    if spec is None:
+        return 0, 0
+    state_by_shape: dict[tuple[tuple[int, ...], torch.dtype, torch.device], tuple[int, int]] = {}
+    for parameter in parameters:
+        key = (tuple(parameter.shape), parameter.dtype, parameter.device)
+        if key not in state_by_shape:
+            state_by_shape[key] = _probe_optimizer(spec, parameter)
+    state_bytes = 0
+    workspace_bytes = 0
+    for parameter in parameters:
+        state, workspace = state_by_shape[(tuple(parameter.shape), parameter.dtype, parameter.device)]
+        state_bytes += state
+        workspace_bytes = max(workspace_bytes, workspace)
+    return state_bytes, workspace_bytes
+
+
+def _probe_optimizer(spec: OptimizerSpec, parameter: torch.nn.Parameter) -> tuple[int, int]:
+    probe = torch.nn.Parameter(torch.zeros_like(parameter))
+    probe.grad = torch.zeros_like(parameter)
+    if isinstance(spec, torch.optim.Optimizer):
+        optimizer = type(spec)([probe], **spec.defaults)
+    else:
+        built = make_optimizer(spec, [probe])
+        assert built is not None
+        optimizer = built
+    tracker = LiveStorageTracker()
+    tracker.track([probe, probe.grad])
+    with tracker:
+        optimizer.step()
+        optimizer.step()
+    state = [value for value in optimizer.state[probe].values() if isinstance(value, torch.Tensor)]
+    state_bytes = _unique_bytes(state, set())
+    base_bytes = 2 * probe.untyped_storage().nbytes() + state_bytes
+    return state_bytes, max(0, tracker.peak_bytes - base_bytes)
+
+
+def _static_bytes(
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    gradient_bytes: int,
+    optimizer: OptimizerSpec,
+) -> tuple[StaticBytes, set[int]]:
+    seen: set[int] = set()
+    parameter_bytes = _unique_bytes(list(model.parameters()), seen)
+    buffer_bytes = _unique_bytes(list(model.buffers()), seen)
+    input_bytes = _unique_bytes(tensors_in(inputs), seen)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    state_bytes, step_workspace_bytes = _optimizer_bytes(optimizer, trainable)
+    static = StaticBytes(
+        parameter_bytes=parameter_bytes,
+        buffer_bytes=buffer_bytes,
+        input_bytes=input_bytes,
+        gradient_bytes=gradient_bytes,
+        optimizer_state_bytes=state_bytes,
+        optimizer_step_workspace_bytes=step_workspace_bytes,
+    )
+    return static, seen
+
+
+def _extra_static_tensors(graph_module: fx.GraphModule) -> list[torch.Tensor]:
+    """Tensor attributes fetched by get_attr that are neither parameters nor buffers (constants)."""
+    found = []
+    for node in graph_module.graph.nodes:
+        if node.op == "get_attr":
+            value = graph_module
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+    return found
+
+
+def _to_nodes(interpreter: _ProfilingInterpreter, forward_ms: dict[str, float], backward_ms: dict[str, float]) -> list[Node]:
+    nodes = []
+    for name in interpreter.order:
+        record = interpreter.records[name]
+        nodes.append(
+            Node(
+                name=record.name,
+                op=record.op,
+                module_path=record.module_path,
+                inputs=record.inputs,
+                creates=tuple(record.creates),
+                reads=tuple(record.reads),
+                saves=tuple(record.saves),
+                saves_anything=record.saves_anything,
+                forward_ms=forward_ms.get(name, 0.0),
+                backward_ms=backward_ms.get(name, 0.0),
+                forward_workspace_bytes=0,
+                backward_workspace_bytes=0,
+                parameter_gradient_bytes=record.parameter_gradient_bytes,
+                random=record.random,
+                stateful=record.stateful,
+                in_place=record.in_place,
+                checkpointable=record.checkpointable,
+            )
+        )
+    return nodes
+
+
+def _calibrate(graph: ActivationGraph, records: dict[str, _NodeRecord]) -> ActivationGraph:
+    """Set each node's workspace to measured peak minus the simulator's prediction without them."""
+    trace = simulate(graph, store_everything(graph)).trace
+    forward_predicted = {step.node: step.live_bytes for step in trace if step.phase is Phase.FORWARD}
+    backward_predicted = {step.node: step.live_bytes for step in trace if step.phase is Phase.BACKWARD}
+    calibrated = []
+    for node in graph.nodes:
+        record = records[node.name]
+        forward_workspace = max(0, record.forward_peak_bytes - forward_predicted[node.name])
+        backward_workspace = 0
+        if record.backward_peak_bytes is not None:
+            backward_workspace = max(0, record.backward_peak_bytes - backward_predicted[node.name])
+        calibrated.append(
+            dataclasses.replace(
+                node, forward_workspace_bytes=forward_workspace, backward_workspace_bytes=backward_workspace
+            )
+        )
+    return dataclasses.replace(graph, nodes=tuple(calibrated))
+
+
+def build_activation_graph(
+    captured: Capture,
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    *,
+    loss_fn: Callable[[Any], torch.Tensor],
+    optimizer: OptimizerSpec,
+) -> ActivationGraph:
+    """Profile one training step of `captured` and return its activation graph (model left unchanged)."""
+    graph_module = captured.graph_module
+    targets = _grad_targets(model, inputs)
+    if not targets:
+        raise ValueError(
+            "nothing to train: no parameter of the model and no input requires grad; "
+            "checkpointing only matters for training steps"
+        )
+    with _preserved_state(model):
+        tracker = _ProfilingTracker()
+        static_tensors = [*model.parameters(), *model.buffers(), *tensors_in(inputs)]
+        static_tensors += _extra_static_tensors(graph_module)
+        tracker.track(static_tensors)
+        tracker.static_keys = {id(t.untyped_storage()) for t in static_tensors}
+        with tracker:
+            interpreter, _ = _profile_step(graph_module, inputs, loss_fn, targets, tracker)
+        forward_runs, backward_runs = [], []
+        for _ in range(TIMING_REPEATS):
+            timed, clock = _profile_step(graph_module, inputs, loss_fn, targets, None)
+            forward_runs.append(timed.forward_ms)
+            backward_runs.append(clock.backward_ms)
+    forward_ms = {name: statistics.median(run.get(name, 0.0) for run in forward_runs) for name in interpreter.order}
+    backward_ms = {name: statistics.median(run.get(name, 0.0) for run in backward_runs) for name in interpreter.order}
+    gradient_bytes = sum(record.parameter_gradient_bytes for record in interpreter.records.values())
+    static, _ = _static_bytes(model, inputs, gradient_bytes, optimizer)
+    static = dataclasses.replace(static, buffer_bytes=static.buffer_bytes + _constant_bytes(graph_module, model))
+    optimizer_name = _optimizer_name(optimizer)
+    profiled = ActivationGraph(
+        nodes=tuple(_to_nodes(interpreter, forward_ms, backward_ms)),
+        storage_bytes=dict(tracker.storage_bytes),
+        static=dataclasses.replace(static, optimizer_state_bytes=0),
+        capture=captured.path,
+        optimizer=optimizer_name,
+    )
+    calibrated = _calibrate(profiled, interpreter.records)
+    return dataclasses.replace(calibrated, static=static)
+
+
+def _constant_bytes(graph_module: fx.GraphModule, model: torch.nn.Module) -> int:
+    seen = {id(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
+    return _unique_bytes(_extra_static_tensors(graph_module), seen)
+
+
+def _optimizer_name(optimizer: OptimizerSpec) -> str:
+    if optimizer is None:
+        return "none"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer).__name__
+    return optimizer

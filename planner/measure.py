@@ -1,0 +1,237 @@
+"""Measures what a training step really costs: peak memory and step time.
+
+On a GPU the peak is `torch.cuda.max_memory_allocated`. On the CPU there is no allocator statistic, and
+RSS counts the Python heap, freed-but-cached pages and libraries, so it is not a memory measurement.
+Instead `LiveStorageTracker` counts the bytes of live tensor storages: a TorchDispatchMode sees every
+tensor an operator creates (forward, backward and optimizer alike), registers its storage once, and a
+weakref finalizer subtracts it when the storage is freed. Views share a storage and count once. This
+is the quantity `torch.cuda.memory_allocated` reports on a GPU, less the allocator's rounding.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "LiveStorageTracker",
+    "MeasuredStep",
+    "OptimizerSpec",
+    "default_loss",
+    "make_optimizer",
+    "measure_step",
+]
+
+OptimizerSpec = str | torch.optim.Optimizer | None
+""""adam", "adamw", "sgd", "sgd-momentum", None, or an optimizer instance over the model's parameters."""
+
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested structure of tuples, lists, dicts and dataclass-like outputs."""
+    leaves, _ = tree_flatten(value)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The sum of every floating-point tensor in the model's output: a scalar that reaches all outputs."""
+    floating = [t for t in tensors_in(output) if t.is_floating_point()]
+    if not floating:
+        raise TypeError(
+            f"the model's output has no floating-point tensor to build a default loss from "
+            f"(got {type(output).__name__}); pass loss_fn=lambda output: <scalar tensor>"
+        )
+    total = floating[0].sum()
+    for tensor in floating[1:]:
+        total = total + tensor.sum()
+    return total
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Counts live tensor-storage bytes and their peak while active (CPU or any device).
+
+    Storages created before the tracker is entered are invisible unless passed to `track`; register
+    parameters, buffers, inputs and optimizer state that way.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._tracked: set[int] = set()
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count the storages of tensors that already exist."""
+        for tensor in tensors:
+            self._register(tensor)
+
+    def reset_peak(self) -> None:
+        """Start a new peak window at the current live bytes."""
+        self.peak_bytes = self.live_bytes
+
+    def is_tracked(self, tensor: torch.Tensor) -> bool:
+        return id(tensor.untyped_storage()) in self._tracked
+
+    def _register(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        size_bytes = storage.nbytes()
+        if key in self._tracked or size_bytes == 0:
+            return
+        self._tracked.add(key)
+        self.live_bytes += size_bytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._release, key, size_bytes)
+
+    def _release(self, key: int, size_bytes: int) -> None:
+        self._tracked.discard(key)
+        self.live_bytes -= size_bytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        for tensor in tensors_in(output):
+            self._register(tensor)
+        return output
+
+
+def make_optimizer(spec: OptimizerSpec, parameters: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
+    """Build the optimizer named by `spec` over `parameters` (an instance is returned unchanged)."""
+    if spec is None or isinstance(spec, torch.optim.Optimizer):
+        return spec
+    factories: dict[str, Callable[[], torch.optim.Optimizer]] = {
+        "adam": lambda: torch.optim.Adam(parameters, lr=1e-3),
+        "adamw": lambda: torch.optim.AdamW(parameters, lr=1e-3),
+        "sgd": lambda: torch.optim.SGD(parameters, lr=1e-3),
+        "sgd-momentum": lambda: torch.optim.SGD(parameters, lr=1e-3, momentum=0.9),
+    }
+    if spec not in factories:
+        raise ValueError(
+            f"optimizer={spec!r} is not known; use one of {OPTIMIZER_NAMES}, None, or a torch.optim.Optimizer"
+        )
+    return factories[spec]()
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """Measured peak and time of real training steps (the first two steps' peak; median step time)."""
+
+    peak_bytes: int
+    phase_peak_bytes: dict[str, int]
+    step_ms: float | None
+    device: str
+
+
+def _optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+
+
+def _train_step(
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    loss_fn: Callable[[Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    on_phase: Callable[[str], None],
+) -> None:
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad(set_to_none=True)
+    for tensor in tensors_in(inputs):
+        tensor.grad = None  # each step gets a fresh batch; its gradient does not carry over
+    on_phase("start")
+    loss = loss_fn(model(*inputs))
+    on_phase("forward")
+    loss.backward()
+    del loss
+    on_phase("backward")
+    if optimizer is not None:
+        optimizer.step()
+    on_phase("optimizer step")
+
+
+@contextmanager
+def _cuda_phases(device: torch.device) -> Iterator[Callable[[str], None]]:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    peaks: dict[str, int] = {}
+
+    def on_phase(phase: str) -> None:
+        torch.cuda.synchronize(device)
+        peaks[phase] = max(peaks.get(phase, 0), torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+
+    on_phase.peaks = peaks  # type: ignore[attr-defined]
+    yield on_phase
+
+
+def measure_step(
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] = default_loss,
+    optimizer: OptimizerSpec = "adam",
+    timed_steps: int = 0,
+) -> MeasuredStep:
+    """Run two real training steps and report their peak memory; optionally time more steps.
+
+    This trains `model`: its parameters, optimizer state and BatchNorm statistics change. Measure a
+    copy (`copy.deepcopy`) when the original must stay as it is.
+    """
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    built = make_optimizer(optimizer, parameters)
+    first = next(iter(tensors_in((tuple(model.parameters()), inputs))), None)
+    device = first.device if first is not None else torch.device("cpu")
+    phase_peaks: dict[str, int] = {}
+    if device.type == "cuda":
+        with _cuda_phases(device) as on_phase:
+            for _ in range(2):
+                _train_step(model, inputs, loss_fn, built, on_phase)
+            phase_peaks = dict(on_phase.peaks)  # type: ignore[attr-defined]
+    else:
+        tracker = LiveStorageTracker()
+        tracker.track([*model.parameters(), *model.buffers(), *tensors_in(inputs), *_optimizer_state_tensors(built)])
+
+        def on_phase(phase: str) -> None:
+            phase_peaks[phase] = max(phase_peaks.get(phase, 0), tracker.peak_bytes)
+            tracker.reset_peak()
+
+        with tracker:
+            for _ in range(2):
+                _train_step(model, inputs, loss_fn, built, on_phase)
+    phase_peaks.pop("start", None)
+    step_ms = _median_step_ms(model, inputs, loss_fn, built, timed_steps) if timed_steps > 0 else None
+    return MeasuredStep(
+        peak_bytes=max(phase_peaks.values()),
+        phase_peak_bytes=phase_peaks,
+        step_ms=step_ms,
+        device=str(device),
+    )
+
+
+def _median_step_ms(
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    loss_fn: Callable[[Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    steps: int,
+) -> float:
+    durations_ms = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        _train_step(model, inputs, loss_fn, optimizer, lambda _phase: None)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        durations_ms.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(durations_ms)

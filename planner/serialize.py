@@ -1,0 +1,69 @@
+"""The versioned JSON form of graphs and schedules (`planner.graph/v1`, `planner.plan/v1`).
+
+Plain dicts of plain values: the REST service and the library share this one serializer, and loading
+never executes or unpickles anything. Unknown schema versions are rejected with the version found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from planner.ir import GRAPH_SCHEMA, ActivationGraph, Node, Region, RegionPolicy, Schedule, StaticBytes
+
+__all__ = ["graph_to_dict", "graph_from_dict", "schedule_to_dict", "schedule_from_dict"]
+
+
+def _check_schema(data: dict[str, Any], expected: str) -> None:
+    found = data.get("schema")
+    if found != expected:
+        raise ValueError(f"expected a {expected!r} document, got schema={found!r}")
+
+
+def graph_to_dict(graph: ActivationGraph) -> dict[str, Any]:
+    return {
+        "schema": GRAPH_SCHEMA,
+        "capture": graph.capture,
+        "optimizer": graph.optimizer,
+        "static": dataclasses.asdict(graph.static),
+        "storage_bytes": dict(graph.storage_bytes),
+        "nodes": [
+            {**dataclasses.asdict(node), **{key: list(getattr(node, key)) for key in _TUPLE_FIELDS}}
+            for node in graph.nodes
+        ],
+    }
+
+
+_TUPLE_FIELDS = ("inputs", "creates", "reads", "saves")
+
+
+def graph_from_dict(data: dict[str, Any]) -> ActivationGraph:
+    _check_schema(data, GRAPH_SCHEMA)
+    nodes = tuple(
+        Node(**{**raw, **{key: tuple(raw[key]) for key in _TUPLE_FIELDS}}) for raw in data["nodes"]
+    )
+    return ActivationGraph(
+        nodes=nodes,
+        storage_bytes={str(name): int(size) for name, size in data["storage_bytes"].items()},
+        static=StaticBytes(**data["static"]),
+        capture=str(data["capture"]),
+        optimizer=str(data["optimizer"]),
+    )
+
+
+def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
+    return {
+        "solver": schedule.solver,
+        "regions": [
+            {"start": region.start, "stop": region.stop, "policy": region.policy.value} for region in schedule.regions
+        ],
+    }
+
+
+def schedule_from_dict(data: dict[str, Any]) -> Schedule:
+    return Schedule(
+        regions=tuple(
+            Region(int(raw["start"]), int(raw["stop"]), RegionPolicy(raw["policy"])) for raw in data["regions"]
+        ),
+        solver=str(data["solver"]),
+    )

@@ -1,0 +1,123 @@
+"""Solvers: one signature, one registry, every result checked with the simulator.
+
+    def solve_x(graph: ActivationGraph, *, budget_bytes: int) -> Schedule
+
+A solver returns a schedule whose *simulated* peak is within the budget, or raises `InfeasibleBudget`
+carrying the lowest peak any known schedule reaches. Registered solvers:
+
+- `none`: no checkpointing (the baseline every plan is compared with);
+- `chen`: sqrt(n) equal segments, all but the last checkpointed (what `checkpoint_sequential` does);
+- `dp`: least recompute over region boundaries at the graph's cuts (solvers/dp.py);
+- `auto`: the best solver for the graph; today that is `dp`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from planner.errors import InfeasibleBudget
+from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule, SimulationResult
+from planner.simulate import simulate, store_everything
+from planner.solvers.chain import Chain, build_chain
+from planner.solvers.dp import CostTable, dp_schedule, min_peak_schedule, tabulate
+
+__all__ = ["SOLVERS", "Solver", "chen_schedule", "lowest_peak", "solve"]
+
+Solver = Callable[..., Schedule]
+MAX_TIGHTENING = 6
+"""Times `dp` re-solves with a lower limit when the simulator finds its plan over budget."""
+
+
+@dataclass(frozen=True)
+class _Tables:
+    graph: ActivationGraph
+    chain: Chain
+    table: CostTable
+
+
+_cache: list[_Tables] = []
+
+
+def _tables(graph: ActivationGraph) -> _Tables:
+    """Chain and cost table of `graph`, built once per graph object."""
+    for entry in _cache:
+        if entry.graph is graph:
+            return entry
+    chain = build_chain(graph)
+    entry = _Tables(graph=graph, chain=chain, table=tabulate(chain))
+    _cache[:] = [entry, *_cache[:3]]
+    return entry
+
+
+def chen_schedule(graph: ActivationGraph) -> Schedule:
+    """sqrt(n) segments of about equal node count at the graph's cuts; all but the last checkpointed."""
+    cuts = _tables(graph).chain.cuts
+    inner = cuts[1:-1]
+    segments = max(1, round(math.sqrt(len(inner) + 1)))
+    total = len(graph.nodes)
+    chosen = sorted({min(inner, key=lambda c: abs(c - total * i / segments)) for i in range(1, segments)} if inner else set())
+    bounds = [0, *chosen, total]
+    regions = []
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        last = stop == total
+        checkpointable = all(node.checkpointable for node in graph.nodes[start:stop])
+        policy = RegionPolicy.CHECKPOINT if (not last and checkpointable) else RegionPolicy.STORE
+        regions.append(Region(start, stop, policy))
+    return Schedule(regions=tuple(regions), solver="chen")
+
+
+def lowest_peak(graph: ActivationGraph) -> tuple[Schedule, SimulationResult]:
+    """The known schedule with the lowest simulated peak (the min-peak DP, chen and no checkpointing)."""
+    candidates = [min_peak_schedule(_tables(graph).chain, _tables(graph).table), chen_schedule(graph), store_everything(graph)]
+    simulated = [(schedule, simulate(graph, schedule)) for schedule in candidates]
+    return min(simulated, key=lambda pair: (pair[1].peak_bytes, pair[1].recompute_ms))
+
+
+def _infeasible(graph: ActivationGraph, budget_bytes: int) -> InfeasibleBudget:
+    _, result = lowest_peak(graph)
+    return InfeasibleBudget(budget_bytes=budget_bytes, min_peak_bytes=result.peak_bytes, breakdown=result.breakdown)
+
+
+def _fixed(schedule_of: Callable[[ActivationGraph], Schedule]) -> Solver:
+    def solve_fixed(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
+        schedule = schedule_of(graph)
+        if simulate(graph, schedule).peak_bytes > budget_bytes:
+            raise _infeasible(graph, budget_bytes)
+        return schedule
+
+    return solve_fixed
+
+
+def solve_dp(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
+    """Least predicted recompute with simulated peak <= budget_bytes."""
+    tables = _tables(graph)
+    limit_bytes = budget_bytes - graph.static.resident_bytes
+    for _ in range(MAX_TIGHTENING):
+        schedule = dp_schedule(tables.chain, tables.table, activation_budget_bytes=limit_bytes)
+        if schedule is None:
+            break
+        peak_bytes = simulate(graph, schedule).peak_bytes
+        if peak_bytes <= budget_bytes:
+            return schedule
+        limit_bytes -= peak_bytes - budget_bytes
+    fallback, result = lowest_peak(graph)
+    if result.peak_bytes <= budget_bytes:
+        return Schedule(regions=fallback.regions, solver="dp")
+    raise _infeasible(graph, budget_bytes)
+
+
+SOLVERS: dict[str, Solver] = {
+    "none": _fixed(store_everything),
+    "chen": _fixed(chen_schedule),
+    "dp": solve_dp,
+    "auto": solve_dp,
+}
+
+
+def solve(graph: ActivationGraph, *, budget_bytes: int, solver: str = "auto") -> Schedule:
+    """Run the named solver; unknown names get a ValueError listing the registry."""
+    if solver not in SOLVERS:
+        raise ValueError(f"solver={solver!r} is not known; use one of {sorted(SOLVERS)}")
+    return SOLVERS[solver](graph, budget_bytes=budget_bytes)

@@ -48,7 +48,11 @@ def _budget_bytes(budget_gb: float | None, budget_bytes: int | None) -> int:
             f"budget_bytes={budget_bytes!r}"
         )
     if budget_gb is not None:
-        if isinstance(budget_gb, bool) or not isinstance(budget_gb, int | float) or not math.isfinite(budget_gb):
+        if (
+            isinstance(budget_gb, bool)
+            or not isinstance(budget_gb, int | float)
+            or not math.isfinite(budget_gb)
+        ):
             raise TypeError(f"budget_gb must be a finite number of GiB, got {budget_gb!r}")
         if budget_gb <= 0:
             raise ValueError(f"budget_gb must be positive, got {budget_gb!r}")
@@ -97,14 +101,24 @@ def optimize(
     started = time.perf_counter()
     captured = capture(model)
     log.info("captured %d nodes by %s", len(captured.graph_module.graph.nodes), captured.path)
-    graph = build_activation_graph(captured, model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer)
+    graph = build_activation_graph(
+        captured, model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer
+    )
     log.info("profiled %d nodes in %.1f s", len(graph.nodes), time.perf_counter() - started)
     solve_started = time.perf_counter()
     schedule = solve(graph, budget_bytes=budget, solver=solver)
     _, lowest = lowest_peak(graph)
     solve_ms = (time.perf_counter() - solve_started) * 1e3
-    log.info("solved with %s in %.0f ms: %d checkpointed regions", solver, solve_ms, len(schedule.checkpointed))
-    plan = Plan(graph=graph, schedule=schedule, budget_bytes=budget, min_peak_bytes=lowest.peak_bytes, solve_ms=solve_ms)
+    log.info(
+        "solved with %s in %.0f ms: %d checkpointed regions", solver, solve_ms, len(schedule.checkpointed)
+    )
+    plan = Plan(
+        graph=graph,
+        schedule=schedule,
+        budget_bytes=budget,
+        min_peak_bytes=lowest.peak_bytes,
+        solve_ms=solve_ms,
+    )
     plan.module = rewrite(model, captured.graph_module, graph, schedule)
     return plan
 
@@ -119,5 +133,9 @@ def measure(
 ) -> MeasuredStep:
     """Measured peak memory (and optionally step time) of real training steps. Trains `model`."""
     return measure_step(
-        model, _example_inputs(example_inputs), loss_fn=loss_fn or default_loss, optimizer=optimizer, timed_steps=timed_steps
+        model,
+        _example_inputs(example_inputs),
+        loss_fn=loss_fn or default_loss,
+        optimizer=optimizer,
+        timed_steps=timed_steps,
     )

@@ -17,6 +17,7 @@ each node, so what remains is what no schedule changes.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import statistics
 import time
 import weakref
@@ -36,6 +37,8 @@ from planner.simulate import simulate, store_everything
 __all__ = ["build_activation_graph", "LOSS_NODE"]
 
 LOSS_NODE = "loss"
+OPTIMIZER_PROBES = 3
+"""Largest parameters whose optimizer step is probed for temporaries."""
 TIMING_REPEATS = 3
 """Timed profiling steps after the measuring one; per-node times are their medians."""
 
@@ -136,7 +139,8 @@ def _flags(node: fx.Node, graph_module: fx.GraphModule) -> dict[str, bool]:
     return {
         "random": node.target in RANDOM_FUNCTIONS,
         "stateful": False,
-        "in_place": bool(node.kwargs.get("inplace", False)) or (node.op == "call_method" and target_name.endswith("_")),
+        "in_place": bool(node.kwargs.get("inplace", False))
+        or (node.op == "call_method" and target_name.endswith("_")),
     }
 
 
@@ -183,6 +187,11 @@ class _ProfilingInterpreter(fx.Interpreter):
                 self.grad_fn_owner[id(grad_fn)] = record.name
                 self.hooked_grad_fns.append(grad_fn)
         self.current = None
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """saved_tensors_hooks pack hook: record the saved tensor, keep it as autograd would."""
+        self.on_pack(tensor)
+        return tensor
 
     def on_pack(self, tensor: torch.Tensor) -> None:
         record = self.current
@@ -258,9 +267,9 @@ class _BackwardClock:
         if self.current is None:
             return
         record = self.interpreter.records[self.current]
-        self.backward_ms[self.current] = self.backward_ms.get(self.current, 0.0) + (
-            time.perf_counter() - self.opened_at
-        ) * 1e3
+        self.backward_ms[self.current] = (
+            self.backward_ms.get(self.current, 0.0) + (time.perf_counter() - self.opened_at) * 1e3
+        )
         if self.tracker is not None:
             record.backward_peak_bytes = max(record.backward_peak_bytes or 0, self.tracker.peak_bytes)
             self.tracker.reset_peak()
@@ -277,7 +286,7 @@ def _profile_step(
     interpreter = _ProfilingInterpreter(graph_module, tracker)
     clock = _BackwardClock(interpreter, tracker)
     hooks = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: (interpreter.on_pack(t), t)[1], lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(interpreter.pack, lambda t: t):
         output = interpreter.run(*inputs)
         interpreter.env.clear()  # the interpreter keeps the output node's value; the model does not
         loss_record = _NodeRecord(
@@ -303,7 +312,9 @@ def _profile_step(
     def on_gradient(target: torch.Tensor) -> Callable[[torch.Tensor], None]:
         def hook(gradient: torch.Tensor) -> None:
             if clock.current is not None:
-                interpreter.records[clock.current].parameter_gradient_bytes += gradient.untyped_storage().nbytes()
+                interpreter.records[
+                    clock.current
+                ].parameter_gradient_bytes += gradient.untyped_storage().nbytes()
 
         return hook
 
@@ -329,40 +340,52 @@ def _unique_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
 
 
 def _optimizer_bytes(spec: OptimizerSpec, parameters: list[torch.nn.Parameter]) -> tuple[int, int]:
-    """(state bytes, step workspace bytes) of the optimizer, probed on one copy per parameter shape."""
-    if spec is None:
+    """(state bytes, step workspace bytes) of the optimizer, probed on copies of a few parameters.
+
+    State is probed once per parameter shape. Workspace is probed on the largest parameters, each with
+    the parameter before it: a for-loop optimizer still holds the previous parameter's temporaries
+    (Adam's `denom`) while it works on the next one.
+    """
+    if spec is None or not parameters:
         return 0, 0
-    state_by_shape: dict[tuple[tuple[int, ...], torch.dtype, torch.device], tuple[int, int]] = {}
+    state_by_shape: dict[tuple[tuple[int, ...], torch.dtype, torch.device], int] = {}
     for parameter in parameters:
         key = (tuple(parameter.shape), parameter.dtype, parameter.device)
         if key not in state_by_shape:
-            state_by_shape[key] = _probe_optimizer(spec, parameter)
-    state_bytes = 0
-    workspace_bytes = 0
-    for parameter in parameters:
-        state, workspace = state_by_shape[(tuple(parameter.shape), parameter.dtype, parameter.device)]
-        state_bytes += state
-        workspace_bytes = max(workspace_bytes, workspace)
+            state_by_shape[key] = _probe_optimizer(spec, [parameter])[0]
+    state_bytes = sum(state_by_shape[(tuple(p.shape), p.dtype, p.device)] for p in parameters)
+    order = sorted(range(len(parameters)), key=lambda i: parameters[i].numel(), reverse=True)
+    workspace_bytes = max(
+        _probe_optimizer(spec, parameters[max(0, i - 1) : i + 1])[1] for i in order[:OPTIMIZER_PROBES]
+    )
     return state_bytes, workspace_bytes
 
 
-def _probe_optimizer(spec: OptimizerSpec, parameter: torch.nn.Parameter) -> tuple[int, int]:
-    probe = torch.nn.Parameter(torch.zeros_like(parameter))
-    probe.grad = torch.zeros_like(parameter)
+def _probe_optimizer(spec: OptimizerSpec, parameters: list[torch.nn.Parameter]) -> tuple[int, int]:
+    """(state bytes, peak temporaries) of two optimizer steps over zero-filled copies of `parameters`."""
+    probes = [torch.nn.Parameter(torch.zeros_like(p)) for p in parameters]
+    for probe in probes:
+        probe.grad = torch.zeros_like(probe)
     if isinstance(spec, torch.optim.Optimizer):
-        optimizer = type(spec)([probe], **spec.defaults)
+        accepted = inspect.signature(type(spec).__init__).parameters
+        optimizer = type(spec)(probes, **{k: v for k, v in spec.defaults.items() if k in accepted})
     else:
-        built = make_optimizer(spec, [probe])
+        built = make_optimizer(spec, probes)
         assert built is not None
         optimizer = built
     tracker = LiveStorageTracker()
-    tracker.track([probe, probe.grad])
+    tracker.track([tensor for probe in probes for tensor in (probe, probe.grad) if tensor is not None])
     with tracker:
         optimizer.step()
         optimizer.step()
-    state = [value for value in optimizer.state[probe].values() if isinstance(value, torch.Tensor)]
+    state = [
+        value
+        for probe in probes
+        for value in optimizer.state[probe].values()
+        if isinstance(value, torch.Tensor)
+    ]
     state_bytes = _unique_bytes(state, set())
-    base_bytes = 2 * probe.untyped_storage().nbytes() + state_bytes
+    base_bytes = sum(2 * probe.untyped_storage().nbytes() for probe in probes) + state_bytes
     return state_bytes, max(0, tracker.peak_bytes - base_bytes)
 
 
@@ -394,7 +417,7 @@ def _extra_static_tensors(graph_module: fx.GraphModule) -> list[torch.Tensor]:
     found = []
     for node in graph_module.graph.nodes:
         if node.op == "get_attr":
-            value = graph_module
+            value: Any = graph_module
             for part in str(node.target).split("."):
                 value = getattr(value, part)
             if isinstance(value, torch.Tensor):
@@ -402,7 +425,9 @@ def _extra_static_tensors(graph_module: fx.GraphModule) -> list[torch.Tensor]:
     return found
 
 
-def _to_nodes(interpreter: _ProfilingInterpreter, forward_ms: dict[str, float], backward_ms: dict[str, float]) -> list[Node]:
+def _to_nodes(
+    interpreter: _ProfilingInterpreter, forward_ms: dict[str, float], backward_ms: dict[str, float]
+) -> list[Node]:
     nodes = []
     for name in interpreter.order:
         record = interpreter.records[name]
@@ -479,11 +504,17 @@ def build_activation_graph(
             timed, clock = _profile_step(graph_module, inputs, loss_fn, targets, None)
             forward_runs.append(timed.forward_ms)
             backward_runs.append(clock.backward_ms)
-    forward_ms = {name: statistics.median(run.get(name, 0.0) for run in forward_runs) for name in interpreter.order}
-    backward_ms = {name: statistics.median(run.get(name, 0.0) for run in backward_runs) for name in interpreter.order}
+    forward_ms = {
+        name: statistics.median(run.get(name, 0.0) for run in forward_runs) for name in interpreter.order
+    }
+    backward_ms = {
+        name: statistics.median(run.get(name, 0.0) for run in backward_runs) for name in interpreter.order
+    }
     gradient_bytes = sum(record.parameter_gradient_bytes for record in interpreter.records.values())
     static, _ = _static_bytes(model, inputs, gradient_bytes, optimizer)
-    static = dataclasses.replace(static, buffer_bytes=static.buffer_bytes + _constant_bytes(graph_module, model))
+    static = dataclasses.replace(
+        static, buffer_bytes=static.buffer_bytes + _constant_bytes(graph_module, model)
+    )
     optimizer_name = _optimizer_name(optimizer)
     profiled = ActivationGraph(
         nodes=tuple(_to_nodes(interpreter, forward_ms, backward_ms)),

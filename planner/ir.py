@@ -101,7 +101,9 @@ class ActivationGraph:
         for index, node in enumerate(self.nodes):
             if node.name == name:
                 return index
-        raise KeyError(f"no node named {name!r} in the graph; nodes are {[n.name for n in self.nodes][:8]}...")
+        raise KeyError(
+            f"no node named {name!r} in the graph; nodes are {[n.name for n in self.nodes][:8]}..."
+        )
 
     def to_networkx(self) -> nx.DiGraph:
         """The data-flow graph, one vertex per node, for checks and drawing."""

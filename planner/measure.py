@@ -104,7 +104,9 @@ class LiveStorageTracker(TorchDispatchMode):
         return output
 
 
-def make_optimizer(spec: OptimizerSpec, parameters: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
+def make_optimizer(
+    spec: OptimizerSpec, parameters: Sequence[torch.nn.Parameter]
+) -> torch.optim.Optimizer | None:
     """Build the optimizer named by `spec` over `parameters` (an instance is returned unchanged)."""
     if spec is None or isinstance(spec, torch.optim.Optimizer):
         return spec
@@ -134,7 +136,12 @@ class MeasuredStep:
 def _optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     if optimizer is None:
         return []
-    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+    return [
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
 
 
 def _train_step(
@@ -201,7 +208,9 @@ def measure_step(
             phase_peaks = dict(on_phase.peaks)  # type: ignore[attr-defined]
     else:
         tracker = LiveStorageTracker()
-        tracker.track([*model.parameters(), *model.buffers(), *tensors_in(inputs), *_optimizer_state_tensors(built)])
+        tracker.track(
+            [*model.parameters(), *model.buffers(), *tensors_in(inputs), *_optimizer_state_tensors(built)]
+        )
 
         def on_phase(phase: str) -> None:
             phase_peaks[phase] = max(phase_peaks.get(phase, 0), tracker.peak_bytes)

@@ -90,7 +90,8 @@ class Plan:
         result = self.simulation
         saved = self.baseline_peak_bytes - self.predicted_peak_bytes
         lines = [
-            f"checkpoint plan ({self.solver} solver, captured by {self.capture}, optimizer {self.graph.optimizer})",
+            f"checkpoint plan ({self.solver} solver, captured by {self.capture}, "
+            f"optimizer {self.graph.optimizer})",
             f"  budget                 {format_bytes(self.budget_bytes):>12}",
             f"  predicted peak         {format_bytes(self.predicted_peak_bytes):>12}  "
             f"(set in {result.peak_phase.value} at {result.peak_node})",
@@ -160,4 +161,3 @@ def _describe_modules(modules: tuple[str, ...]) -> str:
     if len(modules) <= 3:
         return ", ".join(modules)
     return f"{modules[0]} .. {modules[-1]} ({len(modules)} modules)"
-

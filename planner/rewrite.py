@@ -1,7 +1,7 @@
 """Emits the checkpointed module for a schedule.
 
-Each CHECKPOINT region of the traced graph is fused into one submodule call
-(`fuse_by_partitions`) that runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)`.
+Each CHECKPOINT region of the traced graph is fused into one submodule call (`fuse_by_partitions`)
+that runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)`.
 That choice answers three traps users hit by hand:
 
 - non-reentrant checkpointing computes gradients for parameters even when no input requires grad, so
@@ -28,12 +28,13 @@ from torch import fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.utils.checkpoint import checkpoint
 
-from planner.ir import ActivationGraph, RegionPolicy, Schedule
+from planner.ir import ActivationGraph, Schedule
 
 __all__ = ["CheckpointedRegion", "rewrite", "planned_graph_of"]
 
 SPLIT_ATTRIBUTE = "_planner_split"
 REGION_PREFIX = "checkpointed_region_"
+MODEL_FORWARD_ATTRIBUTE = "_planner_model_forward"
 
 
 @contextmanager
@@ -75,7 +76,7 @@ def _split(graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Sched
     """
     split = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph), type(graph_module).__name__)
     by_name = {node.name: node for node in split.graph.nodes}
-    partitions = [
+    partitions: list[dict[fx.Node, int | None]] = [
         {by_name[node.name]: None for node in graph.nodes[region.start : region.stop] if node.name in by_name}
         for region in schedule.checkpointed
     ]
@@ -91,13 +92,19 @@ def _split(graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Sched
 def _planned_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if self.training and torch.is_grad_enabled():
         return getattr(self, SPLIT_ATTRIBUTE)(*args, **kwargs)
-    return type(self).__mro__[1].forward(self, *args, **kwargs)
+    return getattr(type(self), MODEL_FORWARD_ATTRIBUTE)(self, *args, **kwargs)
 
 
-def rewrite(model: torch.nn.Module, graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Schedule) -> torch.nn.Module:
+def rewrite(
+    model: torch.nn.Module, graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Schedule
+) -> torch.nn.Module:
     """A drop-in replacement for `model` that checkpoints as `schedule` says."""
     split = _split(graph_module, graph, schedule)
-    planned_class = type(f"Planned{type(model).__name__}", (type(model),), {"forward": _planned_forward})
+    planned_class = type(
+        f"Planned{type(model).__name__}",
+        (type(model),),
+        {"forward": _planned_forward, MODEL_FORWARD_ATTRIBUTE: type(model).forward},
+    )
     planned = copy.copy(model)
     planned.__class__ = planned_class
     object.__setattr__(planned, SPLIT_ATTRIBUTE, split)

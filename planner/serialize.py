@@ -39,9 +39,7 @@ _TUPLE_FIELDS = ("inputs", "creates", "reads", "saves")
 
 def graph_from_dict(data: dict[str, Any]) -> ActivationGraph:
     _check_schema(data, GRAPH_SCHEMA)
-    nodes = tuple(
-        Node(**{**raw, **{key: tuple(raw[key]) for key in _TUPLE_FIELDS}}) for raw in data["nodes"]
-    )
+    nodes = tuple(Node(**{**raw, **{key: tuple(raw[key]) for key in _TUPLE_FIELDS}}) for raw in data["nodes"])
     return ActivationGraph(
         nodes=nodes,
         storage_bytes={str(name): int(size) for name, size in data["storage_bytes"].items()},
@@ -55,7 +53,8 @@ def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
     return {
         "solver": schedule.solver,
         "regions": [
-            {"start": region.start, "stop": region.stop, "policy": region.policy.value} for region in schedule.regions
+            {"start": region.start, "stop": region.stop, "policy": region.policy.value}
+            for region in schedule.regions
         ],
     }
 
@@ -63,7 +62,8 @@ def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
 def schedule_from_dict(data: dict[str, Any]) -> Schedule:
     return Schedule(
         regions=tuple(
-            Region(int(raw["start"]), int(raw["stop"]), RegionPolicy(raw["policy"])) for raw in data["regions"]
+            Region(int(raw["start"]), int(raw["stop"]), RegionPolicy(raw["policy"]))
+            for raw in data["regions"]
         ),
         solver=str(data["solver"]),
     )

@@ -45,9 +45,7 @@ def store_everything(graph: ActivationGraph, solver: str = "none") -> Schedule:
 def region_inputs(graph: ActivationGraph, region: Region) -> set[str]:
     """Activation storages made before `region` and read or saved inside it."""
     made_inside = {name for node in graph.nodes[region.start : region.stop] for name in node.creates}
-    used = {
-        name for node in graph.nodes[region.start : region.stop] for name in (*node.reads, *node.saves)
-    }
+    used = {name for node in graph.nodes[region.start : region.stop] for name in (*node.reads, *node.saves)}
     return used - made_inside
 
 
@@ -70,7 +68,9 @@ class _Timeline:
 
     def observe(self, phase: Phase, node: str, components: dict[str, int], trace: list[TraceStep]) -> None:
         total = sum(components.values())
-        trace.append(TraceStep(phase=phase, node=node, live_bytes=total, peak_bytes=max(total, self.peak_bytes)))
+        trace.append(
+            TraceStep(phase=phase, node=node, live_bytes=total, peak_bytes=max(total, self.peak_bytes))
+        )
         if total > self.peak_bytes:
             self.peak_bytes, self.peak_phase, self.peak_node = total, phase, node
             self.peak_breakdown = dict(components)
@@ -121,7 +121,9 @@ def _replay_region(graph: ActivationGraph, region: Region, trigger: int) -> tupl
     peak_bytes = 0
     for index in range(region.start, trigger + 1):
         node = graph.nodes[index]
-        peak_bytes = max(peak_bytes, _bytes(graph, live) + _bytes(graph, node.creates) + node.forward_workspace_bytes)
+        peak_bytes = max(
+            peak_bytes, _bytes(graph, live) + _bytes(graph, node.creates) + node.forward_workspace_bytes
+        )
         live.update(node.creates)
         live = {name for name in live if name in kept or min(last_read[name], trigger) > index}
     return peak_bytes, kept
@@ -192,7 +194,9 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
                 trace,
             )
             pending.update({f"{name}@replay": at for name, at in kept.items()})
-        timeline.observe(Phase.BACKWARD, node.name, {**base, "activations": _pending_bytes(graph, pending)}, trace)
+        timeline.observe(
+            Phase.BACKWARD, node.name, {**base, "activations": _pending_bytes(graph, pending)}, trace
+        )
         pending = {name: at for name, at in pending.items() if at < index}
 
     optimizer_components = {

@@ -57,7 +57,11 @@ def chen_schedule(graph: ActivationGraph) -> Schedule:
     inner = cuts[1:-1]
     segments = max(1, round(math.sqrt(len(inner) + 1)))
     total = len(graph.nodes)
-    chosen = sorted({min(inner, key=lambda c: abs(c - total * i / segments)) for i in range(1, segments)} if inner else set())
+    chosen = sorted(
+        {min(inner, key=lambda c: abs(c - total * i / segments)) for i in range(1, segments)}
+        if inner
+        else set()
+    )
     bounds = [0, *chosen, total]
     regions = []
     for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
@@ -70,21 +74,32 @@ def chen_schedule(graph: ActivationGraph) -> Schedule:
 
 def lowest_peak(graph: ActivationGraph) -> tuple[Schedule, SimulationResult]:
     """The known schedule with the lowest simulated peak (the min-peak DP, chen and no checkpointing)."""
-    candidates = [min_peak_schedule(_tables(graph).chain, _tables(graph).table), chen_schedule(graph), store_everything(graph)]
+    candidates = [
+        min_peak_schedule(_tables(graph).chain, _tables(graph).table),
+        chen_schedule(graph),
+        store_everything(graph),
+    ]
     simulated = [(schedule, simulate(graph, schedule)) for schedule in candidates]
     return min(simulated, key=lambda pair: (pair[1].peak_bytes, pair[1].recompute_ms))
 
 
 def _infeasible(graph: ActivationGraph, budget_bytes: int) -> InfeasibleBudget:
     _, result = lowest_peak(graph)
-    return InfeasibleBudget(budget_bytes=budget_bytes, min_peak_bytes=result.peak_bytes, breakdown=result.breakdown)
+    return InfeasibleBudget(
+        budget_bytes=budget_bytes, min_peak_bytes=result.peak_bytes, breakdown=result.breakdown
+    )
 
 
 def _fixed(schedule_of: Callable[[ActivationGraph], Schedule]) -> Solver:
+    """A solver whose plan space is one schedule: it fits or it raises with that schedule's peak."""
+
     def solve_fixed(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
         schedule = schedule_of(graph)
-        if simulate(graph, schedule).peak_bytes > budget_bytes:
-            raise _infeasible(graph, budget_bytes)
+        result = simulate(graph, schedule)
+        if result.peak_bytes > budget_bytes:
+            raise InfeasibleBudget(
+                budget_bytes=budget_bytes, min_peak_bytes=result.peak_bytes, breakdown=result.breakdown
+            )
         return schedule
 
     return solve_fixed

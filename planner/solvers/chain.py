@@ -95,7 +95,9 @@ def build_chain(graph: ActivationGraph) -> Chain:
     cuts = [0, *_thin(_exact_cuts(graph, producer, last_use), MAX_CUTS), len(graph.nodes)]
     gradient_bytes_from = [0] * (len(graph.nodes) + 1)
     for index in range(len(graph.nodes) - 1, -1, -1):
-        gradient_bytes_from[index] = gradient_bytes_from[index + 1] + graph.nodes[index].parameter_gradient_bytes
+        gradient_bytes_from[index] = (
+            gradient_bytes_from[index + 1] + graph.nodes[index].parameter_gradient_bytes
+        )
     return Chain(
         graph=graph,
         cuts=tuple(cuts),
@@ -126,7 +128,9 @@ def _forward_peak(chain: Chain, region: Region, inputs: set[str], held: dict[str
     peak_bytes = 0
     for index in range(region.start, region.stop):
         node = chain.graph.nodes[index]
-        peak_bytes = max(peak_bytes, _bytes(chain, live) + _bytes(chain, set(node.creates)) + node.forward_workspace_bytes)
+        peak_bytes = max(
+            peak_bytes, _bytes(chain, live) + _bytes(chain, set(node.creates)) + node.forward_workspace_bytes
+        )
         live.update(node.creates)
         live = {name for name in live if name in held or chain.last_read.get(name, -1) > index}
     return peak_bytes
@@ -144,7 +148,9 @@ def _replay_peak(chain: Chain, region: Region, trigger: int) -> tuple[int, dict[
     peak_bytes = 0
     for index in range(region.start, trigger + 1):
         node = graph.nodes[index]
-        peak_bytes = max(peak_bytes, _bytes(chain, live) + _bytes(chain, set(node.creates)) + node.forward_workspace_bytes)
+        peak_bytes = max(
+            peak_bytes, _bytes(chain, live) + _bytes(chain, set(node.creates)) + node.forward_workspace_bytes
+        )
         live.update(node.creates)
         live = {name for name in live if name in kept or min(chain.last_read[name], trigger) > index}
     return peak_bytes, kept

@@ -145,6 +145,8 @@ def dp_schedule(chain: Chain, table: CostTable, *, activation_budget_bytes: floa
 
 def min_peak_schedule(chain: Chain, table: CostTable) -> Schedule:
     """The schedule with the lowest activation-side peak (least recompute among equals)."""
-    final = _search(chain, table, limit_bytes=float("inf"), key=lambda p: p.peak_bytes + p.recompute_ms * 1e-9)
+    final = _search(
+        chain, table, limit_bytes=float("inf"), key=lambda p: p.peak_bytes + p.recompute_ms * 1e-9
+    )
     assert final is not None, "an unconstrained search always finds the store-everything schedule"
     return _unwind(final, "dp")

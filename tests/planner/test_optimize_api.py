@@ -1,0 +1,113 @@
+"""The public face: arguments, errors, the Plan's numbers and its JSON form."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import planner
+from planner.zoo import build_model
+
+
+@pytest.fixture(scope="module")
+def mlp() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    return build_model("seed000_mlp")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({}, ValueError, "exactly one of budget_gb"),
+        ({"budget_gb": 1, "budget_bytes": 2**30}, ValueError, "exactly one of budget_gb"),
+        ({"budget_gb": -1}, ValueError, "positive, got -1"),
+        ({"budget_gb": math.nan}, TypeError, "finite"),
+        ({"budget_gb": True}, TypeError, "finite number"),
+        ({"budget_bytes": 0}, ValueError, "positive, got 0"),
+        ({"budget_bytes": 1.5}, TypeError, "must be an int"),
+        ({"budget_gb": 1, "optimizer": "lion"}, ValueError, "optimizer='lion'"),
+        ({"budget_gb": 1, "solver": "magic"}, ValueError, "solver='magic'"),
+    ],
+)
+def test_bad_arguments_get_clear_errors(mlp, kwargs, error, message) -> None:  # type: ignore[no-untyped-def]
+    model, inputs = mlp
+    with pytest.raises(error, match=message):
+        planner.optimize(model, inputs, **kwargs)
+
+
+def test_bad_model_and_inputs_get_clear_errors(mlp) -> None:  # type: ignore[no-untyped-def]
+    model, inputs = mlp
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        planner.optimize(lambda x: x, inputs, budget_gb=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="example_inputs"):
+        planner.optimize(model, {"x": inputs[0]}, budget_gb=1)
+    with pytest.raises(ValueError, match="scalar tensor"):
+        planner.optimize(model, inputs, budget_gb=1, loss_fn=lambda output: output)
+
+
+def test_budget_gb_counts_gib_and_a_single_tensor_is_accepted(mlp) -> None:  # type: ignore[no-untyped-def]
+    model, inputs = mlp
+    plan = planner.optimize(model, inputs[0], budget_gb=1)
+    assert plan.budget_bytes == 2**30
+    assert plan.predicted_peak_bytes == plan.baseline_peak_bytes  # plenty of room: nothing checkpointed
+    assert plan.predicted_overhead == 0.0 and plan.regions == []
+
+
+def test_optimizer_state_is_accounted_by_kind(mlp) -> None:  # type: ignore[no-untyped-def]
+    model, inputs = mlp
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    states = {
+        name: planner.optimize(model, inputs, budget_gb=1, optimizer=name).graph.static.optimizer_state_bytes
+        for name in ("adam", "sgd", "sgd-momentum", None)
+    }
+    assert states["sgd"] == states[None] == 0
+    assert states["sgd-momentum"] == parameter_bytes
+    assert states["adam"] >= 2 * parameter_bytes
+    instance = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    plan = planner.optimize(model, inputs, budget_gb=1, optimizer=instance)
+    assert plan.graph.optimizer == "AdamW" and plan.graph.static.optimizer_state_bytes == states["adam"]
+
+
+def test_infeasible_budget_explains_what_dominates(mlp) -> None:  # type: ignore[no-untyped-def]
+    model, inputs = mlp
+    with pytest.raises(planner.InfeasibleBudget) as caught:
+        planner.optimize(model, inputs, budget_bytes=2**20)
+    error = caught.value
+    assert isinstance(error, ValueError) and error.budget_bytes == 2**20
+    assert error.min_peak_bytes > 2**20
+    assert "Checkpointing cannot help" in str(error) and "optimizer state" in str(error)
+    assert error.breakdown["parameters"] == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_plan_reports_and_round_trips_through_json(mlp) -> None:  # type: ignore[no-untyped-def]
+    model, inputs = mlp
+    reference = planner.optimize(model, inputs, budget_gb=1)
+    budget = (reference.min_peak_bytes + reference.baseline_peak_bytes) // 2
+    plan = planner.optimize(model, inputs, budget_bytes=budget)
+    assert plan.regions, "a budget below the baseline needs a checkpointed region"
+    assert plan.min_peak_bytes <= plan.predicted_peak_bytes <= budget < plan.baseline_peak_bytes
+    assert 0 < plan.predicted_overhead < 1
+    summary = plan.summary()
+    for text in (
+        "budget",
+        "predicted peak",
+        "predicted baseline",
+        "lowest achievable",
+        plan.regions[0].modules[0],
+    ):
+        assert text in summary
+    loaded = planner.Plan.from_json(plan.to_json())
+    assert loaded.module is None
+    assert loaded.schedule == plan.schedule and loaded.graph == plan.graph
+    assert loaded.predicted_peak_bytes == plan.predicted_peak_bytes
+    assert loaded.predicted_overhead == pytest.approx(plan.predicted_overhead)
+
+
+def test_custom_loss_is_planned_with_the_model(mlp) -> None:  # type: ignore[no-untyped-def]
+    model, inputs = mlp
+    target = torch.zeros(inputs[0].shape[0], 256)
+    plan = planner.optimize(
+        model, inputs, budget_gb=1, loss_fn=lambda output: torch.nn.functional.mse_loss(output, target)
+    )
+    assert plan.graph.nodes[-1].name == "loss" and not plan.graph.nodes[-1].checkpointable

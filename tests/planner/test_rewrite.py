@@ -1,0 +1,80 @@
+"""The checkpointed module is a drop-in: same parameters, same results, none of the known traps."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from zoo_checks import assert_same_step, one_step
+
+import planner
+from planner.capture import capture
+from planner.graph_build import build_activation_graph
+from planner.ir import Region, RegionPolicy, Schedule
+from planner.measure import default_loss
+from planner.rewrite import CheckpointedRegion, planned_graph_of, rewrite
+from planner.zoo import build_model
+
+
+def checkpoint_everything(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> nn.Module:
+    """Rewrite with every model node in one checkpointed region (the loss node stays stored)."""
+    captured = capture(model)
+    graph = build_activation_graph(captured, model, inputs, loss_fn=default_loss, optimizer=None)
+    count = len(graph.nodes)
+    schedule = Schedule(
+        regions=(Region(0, count - 1, RegionPolicy.CHECKPOINT), Region(count - 1, count, RegionPolicy.STORE)),
+        solver="test",
+    )
+    return rewrite(model, captured.graph_module, graph, schedule)
+
+
+def test_input_without_grad_never_freezes_the_first_weights() -> None:
+    """Seed 002's trap: reentrant checkpointing gives the first block no gradient."""
+    model, inputs = build_model("seed000_mlp")
+    assert not inputs[0].requires_grad
+    planned = checkpoint_everything(model, inputs)
+    assert any(isinstance(m, CheckpointedRegion) for m in planned_graph_of(planned).modules())
+    result = one_step(planned, inputs)
+    first_weight = next(name for name, _ in model.named_parameters())
+    assert result.gradients[first_weight].abs().sum() > 0
+    assert_same_step(one_step(model, inputs), result)
+
+
+def test_dropout_masks_repeat_in_the_replay() -> None:
+    model, inputs = build_model("gpt_tiny")
+    assert_same_step(one_step(model, inputs), one_step(checkpoint_everything(model, inputs), inputs))
+
+
+def test_batchnorm_statistics_are_updated_once() -> None:
+    model, inputs = build_model("cnn_bn_dropout")
+    planned = checkpoint_everything(model, inputs)
+    result = one_step(planned, inputs)
+    tracked = [value for name, value in result.buffers.items() if name.endswith("num_batches_tracked")]
+    assert tracked and all(value.item() == 1 for value in tracked)
+    assert_same_step(one_step(model, inputs), result)
+
+
+def test_planned_module_is_a_drop_in_for_the_model() -> None:
+    model, inputs = build_model("cnn_bn_dropout")
+    plan = planner.optimize(model, inputs, budget_bytes=2**40)
+    planned = plan.module
+    assert planned is not None
+    assert isinstance(planned, type(model))
+    assert [id(p) for p in planned.parameters()] == [id(p) for p in model.parameters()]
+    assert planned.state_dict().keys() == model.state_dict().keys()
+    planned.eval()
+    reference = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(planned(*inputs), reference(*inputs))
+
+
+def test_optimize_leaves_the_model_and_the_rng_as_they_were() -> None:
+    model, inputs = build_model("cnn_bn_dropout")
+    parameters = copy.deepcopy(model.state_dict())
+    rng_state = torch.get_rng_state()
+    planner.optimize(model, inputs, budget_bytes=2**40)
+    assert torch.equal(torch.get_rng_state(), rng_state)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, parameters[name]), f"{name} changed during planning"
+    assert all(p.grad is None for p in model.parameters())

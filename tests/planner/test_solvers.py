@@ -1,0 +1,118 @@
+"""Every solver through one case table and one validator; `dp` against a brute-force oracle."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+
+import pytest
+from synthetic_graphs import chain_graph, random_chain
+
+from planner.errors import InfeasibleBudget
+from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
+from planner.simulate import simulate, store_everything
+from planner.solvers import SOLVERS, lowest_peak, solve
+
+
+def all_schedules(graph: ActivationGraph) -> Iterator[Schedule]:
+    """Every partition of a chain into regions, each stored or checkpointed (loss never checkpointed)."""
+    count = len(graph.nodes)
+    for cut_mask in itertools.product((False, True), repeat=count - 1):
+        bounds = [0, *[i + 1 for i, cut in enumerate(cut_mask) if cut], count]
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        for policies in itertools.product(tuple(RegionPolicy), repeat=len(spans)):
+            regions = tuple(Region(a, b, p) for (a, b), p in zip(spans, policies, strict=True))
+            if any(
+                r.policy is RegionPolicy.CHECKPOINT
+                and not all(n.checkpointable for n in graph.nodes[r.start : r.stop])
+                for r in regions
+            ):
+                continue
+            yield Schedule(regions=regions, solver="brute-force")
+
+
+def validate(graph: ActivationGraph, schedule: Schedule, budget_bytes: int) -> None:
+    result = simulate(graph, schedule)
+    assert result.peak_bytes <= budget_bytes, (
+        f"{schedule.solver}: simulated peak {result.peak_bytes} over budget {budget_bytes} "
+        f"in {result.peak_phase.value} at {result.peak_node}"
+    )
+
+
+GRAPHS = {
+    "uniform": chain_graph([4] * 8),
+    "growing": chain_graph([1, 2, 3, 4, 5, 6, 7]),
+    "bottleneck": chain_graph([8, 1, 8, 8, 1, 8, 8, 1]),
+    **{f"random-{seed}": random_chain(random.Random(seed), 7) for seed in range(4)},
+}
+
+
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
+@pytest.mark.parametrize("graph_name", sorted(GRAPHS))
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.7, 1.0])
+def test_solvers_fit_the_budget_or_say_why(solver: str, graph_name: str, fraction: float) -> None:
+    graph = GRAPHS[graph_name]
+    lowest = lowest_peak(graph)[1].peak_bytes
+    baseline = simulate(graph, store_everything(graph)).peak_bytes
+    budget = int(lowest + fraction * (baseline - lowest))
+    try:
+        schedule = solve(graph, budget_bytes=budget, solver=solver)
+    except InfeasibleBudget as error:
+        assert solver in ("none", "chen"), f"dp must fit any budget >= the lowest peak {lowest}, got {budget}"
+        assert error.min_peak_bytes > budget
+        return
+    validate(graph, schedule, budget)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dp_matches_brute_force_on_small_chains(seed: int) -> None:
+    rng = random.Random(seed)
+    graph = random_chain(rng, rng.randint(3, 7))
+    simulated = [(s, simulate(graph, s)) for s in all_schedules(graph)]
+    best_peak = min(result.peak_bytes for _, result in simulated)
+    assert lowest_peak(graph)[1].peak_bytes == best_peak
+    baseline = simulate(graph, store_everything(graph)).peak_bytes
+    for fraction in (0.0, 0.25, 0.5, 0.75):
+        budget = int(best_peak + fraction * (baseline - best_peak))
+        oracle_ms = min(result.recompute_ms for _, result in simulated if result.peak_bytes <= budget)
+        schedule = solve(graph, budget_bytes=budget, solver="dp")
+        validate(graph, schedule, budget)
+        assert simulate(graph, schedule).recompute_ms == pytest.approx(oracle_ms), f"budget {budget}"
+
+
+def test_below_the_lowest_peak_raises_with_the_numbers() -> None:
+    graph = GRAPHS["uniform"]
+    lowest = lowest_peak(graph)[1].peak_bytes
+    solve(graph, budget_bytes=lowest, solver="dp")
+    with pytest.raises(InfeasibleBudget) as caught:
+        solve(graph, budget_bytes=lowest - 1, solver="dp")
+    assert caught.value.min_peak_bytes == lowest
+    assert caught.value.budget_bytes == lowest - 1
+    assert "lowest achievable peak" in str(caught.value)
+    assert isinstance(caught.value, ValueError)
+
+
+def test_static_state_over_budget_says_checkpointing_cannot_help() -> None:
+    graph = GRAPHS["uniform"]
+    with pytest.raises(InfeasibleBudget, match="Checkpointing cannot help"):
+        solve(graph, budget_bytes=graph.static.parameter_bytes, solver="dp")
+
+
+def test_unknown_solver_lists_the_registry() -> None:
+    with pytest.raises(ValueError, match="chen"):
+        solve(GRAPHS["uniform"], budget_bytes=2**40, solver="magic")
+
+
+def test_more_budget_never_costs_more_recompute() -> None:
+    graph = GRAPHS["random-1"]
+    lowest = lowest_peak(graph)[1].peak_bytes
+    baseline = simulate(graph, store_everything(graph)).peak_bytes
+    costs = [
+        simulate(
+            graph, solve(graph, budget_bytes=int(lowest + f * (baseline - lowest)), solver="dp")
+        ).recompute_ms
+        for f in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    ]
+    assert costs == sorted(costs, reverse=True)
+    assert costs[-1] == 0.0

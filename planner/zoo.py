@@ -193,7 +193,7 @@ class FeedForward(nn.Module):
 
 def _build_seed003_feedforward() -> ModelAndInputs:
     hidden_size, intermediate_size, num_layers = 256, 1024, 8
-    batch_size, sequence_length = 4, 128
+    batch_size, sequence_length = 16, 128
     model = FeedForward(hidden_size, intermediate_size, num_layers)
     return model, (torch.randn(batch_size, sequence_length, hidden_size, requires_grad=True),)
 
@@ -380,7 +380,7 @@ ZOO: dict[str, ZooModel] = {
         ZooModel(
             "seed003_feedforward",
             "Seed 003's FeedForward scaled to CPU: 8 x (Linear 256->1024, Linear 1024->256), "
-            "input (4, 128, 256) with requires_grad=True (the thread: 1024/4096, input (128, 1024, 1024)).",
+            "input (16, 128, 256) with requires_grad=True (the thread: 1024/4096, input (128, 1024, 1024)).",
             _seeded(_build_seed003_feedforward),
         ),
         ZooModel(

@@ -6,27 +6,23 @@
     model = plan.module
 
 The flow is capture (capture.py) -> activation graph (graph_build.py) -> solve (solvers/) ->
-rewrite (rewrite.py); `measure` reports what a real training step used. The solvers and the
-simulator work on plain data (ir.py) and never import torch.
+rewrite (rewrite.py); `measure` reports what a real training step used. The solvers, the simulator
+and `Plan` work on plain data (ir.py) and never import torch: `import planner` alone does not import
+torch either, so a service can solve a posted graph without it. `optimize`, `measure` and
+`plan_graph` load on first use.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import time
-from collections.abc import Callable, Sequence
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from planner.capture import capture
-from planner.errors import GIB, InfeasibleBudget, PlannerError, UnsupportedModel
-from planner.graph_build import build_activation_graph
-from planner.measure import MeasuredStep, OptimizerSpec, default_loss, measure_step
+from planner.errors import InfeasibleBudget, PlannerError, UnsupportedModel
 from planner.plan import Plan
-from planner.rewrite import rewrite
-from planner.solvers import lowest_peak, solve
+
+if TYPE_CHECKING:
+    from planner.measure import MeasuredStep
+    from planner.optimize import measure, optimize, plan_graph
 
 __all__ = [
     "InfeasibleBudget",
@@ -36,106 +32,18 @@ __all__ = [
     "UnsupportedModel",
     "measure",
     "optimize",
+    "plan_graph",
 ]
 
-log = logging.getLogger(__name__)
+_LAZY = {
+    "optimize": "planner.optimize",
+    "measure": "planner.optimize",
+    "plan_graph": "planner.optimize",
+    "MeasuredStep": "planner.measure",
+}
 
 
-def _budget_bytes(budget_gb: float | None, budget_bytes: int | None) -> int:
-    if (budget_gb is None) == (budget_bytes is None):
-        raise ValueError(
-            f"give exactly one of budget_gb (GiB, 2**30 bytes) or budget_bytes; got budget_gb={budget_gb!r}, "
-            f"budget_bytes={budget_bytes!r}"
-        )
-    if budget_gb is not None:
-        if (
-            isinstance(budget_gb, bool)
-            or not isinstance(budget_gb, int | float)
-            or not math.isfinite(budget_gb)
-        ):
-            raise TypeError(f"budget_gb must be a finite number of GiB, got {budget_gb!r}")
-        if budget_gb <= 0:
-            raise ValueError(f"budget_gb must be positive, got {budget_gb!r}")
-        return int(budget_gb * GIB)
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
-        raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__} {budget_bytes!r}")
-    if budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be positive, got {budget_bytes!r}")
-    return budget_bytes
-
-
-def _example_inputs(example_inputs: Any) -> tuple[Any, ...]:
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    if isinstance(example_inputs, Sequence) and not isinstance(example_inputs, str):
-        if not any(isinstance(value, torch.Tensor) for value in example_inputs):
-            raise TypeError("example_inputs holds no tensor; pass the tensors the model's forward takes")
-        return tuple(example_inputs)
-    raise TypeError(
-        f"example_inputs must be a tensor or a tuple/list of the forward's positional arguments, "
-        f"got {type(example_inputs).__name__}"
-    )
-
-
-def optimize(
-    model: torch.nn.Module,
-    example_inputs: Any,
-    *,
-    budget_gb: float | None = None,
-    budget_bytes: int | None = None,
-    optimizer: OptimizerSpec = "adam",
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    solver: str = "auto",
-) -> Plan:
-    """Plan activation checkpointing so one training step of `model` fits the budget.
-
-    The budget is the whole step: parameters, gradients, optimizer state, inputs, activations and
-    workspace. `loss_fn(output) -> scalar` defaults to the sum of the output's floating tensors.
-    Raises `InfeasibleBudget` (a ValueError) when no plan fits, with the lowest achievable peak.
-    The model is left unchanged; `plan.module` shares its parameters.
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    budget = _budget_bytes(budget_gb, budget_bytes)
-    inputs = _example_inputs(example_inputs)
-    started = time.perf_counter()
-    captured = capture(model)
-    log.info("captured %d nodes by %s", len(captured.graph_module.graph.nodes), captured.path)
-    graph = build_activation_graph(
-        captured, model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer
-    )
-    log.info("profiled %d nodes in %.1f s", len(graph.nodes), time.perf_counter() - started)
-    solve_started = time.perf_counter()
-    schedule = solve(graph, budget_bytes=budget, solver=solver)
-    _, lowest = lowest_peak(graph)
-    solve_ms = (time.perf_counter() - solve_started) * 1e3
-    log.info(
-        "solved with %s in %.0f ms: %d checkpointed regions", solver, solve_ms, len(schedule.checkpointed)
-    )
-    plan = Plan(
-        graph=graph,
-        schedule=schedule,
-        budget_bytes=budget,
-        min_peak_bytes=lowest.peak_bytes,
-        solve_ms=solve_ms,
-    )
-    plan.module = rewrite(model, captured.graph_module, graph, schedule)
-    return plan
-
-
-def measure(
-    model: torch.nn.Module,
-    example_inputs: Any,
-    *,
-    optimizer: OptimizerSpec = "adam",
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    timed_steps: int = 0,
-) -> MeasuredStep:
-    """Measured peak memory (and optionally step time) of real training steps. Trains `model`."""
-    return measure_step(
-        model,
-        _example_inputs(example_inputs),
-        loss_fn=loss_fn or default_loss,
-        optimizer=optimizer,
-        timed_steps=timed_steps,
-    )
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'planner' has no attribute {name!r}")

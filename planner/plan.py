@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from planner.errors import format_bytes
+from planner.export import hf_kwargs, torch_snippet
 from planner.ir import PLAN_SCHEMA, ActivationGraph, Schedule, SimulationResult
+from planner.report import render_summary
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
 from planner.simulate import simulate, store_everything
 
 if TYPE_CHECKING:
     import torch
+
+    from planner.plots import MeasuredSeries
 
 __all__ = ["Plan", "RegionSummary"]
 
@@ -86,31 +91,25 @@ class Plan:
         return summaries
 
     def summary(self) -> str:
-        """A plain-text report: budget, predicted peaks, what sets the peak, the regions."""
-        result = self.simulation
-        saved = self.baseline_peak_bytes - self.predicted_peak_bytes
-        lines = [
-            f"checkpoint plan ({self.solver} solver, captured by {self.capture}, "
-            f"optimizer {self.graph.optimizer})",
-            f"  budget                 {format_bytes(self.budget_bytes):>12}",
-            f"  predicted peak         {format_bytes(self.predicted_peak_bytes):>12}  "
-            f"(set in {result.peak_phase.value} at {result.peak_node})",
-            f"  predicted baseline     {format_bytes(self.baseline_peak_bytes):>12}  (no checkpointing)",
-            f"  lowest achievable      {format_bytes(self.min_peak_bytes):>12}  (predicted)",
-            f"  predicted saving       {format_bytes(saved):>12}",
-            f"  predicted overhead     {self.predicted_overhead:>11.1%}  "
-            f"(recompute {result.recompute_ms:.1f} ms of a {result.step_ms:.1f} ms step, measured per node)",
-            "  at the predicted peak:",
-        ]
-        for component, size_bytes in result.breakdown.items():
-            if size_bytes:
-                lines.append(f"    {component.replace('_', ' '):<20} {format_bytes(size_bytes):>12}")
-        regions = self.regions
-        lines.append(f"  checkpointed regions: {len(regions)} of {len(self.graph.nodes)} nodes' regions")
-        for number, region in enumerate(regions):
-            where = _describe_modules(region.modules) or f"{region.first_node} .. {region.last_node}"
-            lines.append(f"    {number + 1}. {where} ({region.node_count} nodes)")
-        return "\n".join(lines)
+        """A plain-text report: budget, predicted peaks and what sets them, breakdown, regions, levers."""
+        return render_summary(self)
+
+    def plot_timeline(self, path: str | Path, *, measured: MeasuredSeries | None = None) -> Path:
+        """Save a plot of live memory over the step, with and without the plan (see planner/plots.py)."""
+        from planner.plots import plot_timeline
+
+        return plot_timeline(self, path, measured=measured)
+
+    def to_hf_kwargs(self) -> dict[str, Any]:
+        """What to pass to a Hugging Face model's `gradient_checkpointing_enable`, when that equals the plan.
+
+        Raises ValueError saying what the plan checkpoints instead when it is not one region per block.
+        """
+        return hf_kwargs(self)
+
+    def to_torch_snippet(self) -> str:
+        """Plain `torch.utils.checkpoint` code equivalent to the plan, to apply it by hand."""
+        return torch_snippet(self)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -153,11 +152,3 @@ class Plan:
             f"predicted_peak={format_bytes(self.predicted_peak_bytes)}, "
             f"predicted_overhead={self.predicted_overhead:.1%}, regions={len(self.schedule.checkpointed)})"
         )
-
-
-def _describe_modules(modules: tuple[str, ...]) -> str:
-    if not modules:
-        return ""
-    if len(modules) <= 3:
-        return ", ".join(modules)
-    return f"{modules[0]} .. {modules[-1]} ({len(modules)} modules)"

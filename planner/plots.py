@@ -1,0 +1,333 @@
+"""Pictures of a plan: memory over the training step, and the peak-versus-overhead frontier.
+
+Why it exists: the seed threads' question was "why did memory not drop?", and one picture of live
+memory across forward, backward and the optimizer step answers it faster than a table: where the
+peak sits, what the plan removed, what the static state (parameters, optimizer state) leaves
+untouched. The frontier plot shows what each extra percent of recompute buys against the budget and
+the usual baselines.
+
+matplotlib is imported lazily, on the Agg backend (no display needed), so `import planner` stays
+light; install it with `pip install matplotlib` (it comes with the `plots` and `dev` extras). Figures
+are saved in the format the path's suffix names (`.png`, `.svg`, `.pdf`). Nothing here imports torch:
+a measured series is any object with `samples`, a sequence of (phase, live bytes) pairs, such as
+`planner.measurement.MeasuredTimeline`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from planner.errors import format_bytes
+from planner.ir import ActivationGraph, Phase, Schedule, TraceStep
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from planner.plan import Plan
+
+__all__ = ["MeasuredSeries", "plot_pareto", "plot_timeline", "timeline_positions"]
+
+PHASE_SPANS: tuple[tuple[str, str], ...] = (
+    ("forward", "#dbe9f6"),
+    ("backward", "#fde2cf"),
+    ("optimizer step", "#e0f0dc"),
+)
+"""Background colour of each phase of the step (the measured series uses the same phase names)."""
+
+OPTIMIZER_WIDTH = 0.06
+"""Width of the optimizer step on the x-axis, as a fraction of the forward+backward width."""
+
+SUFFIXES = (".png", ".svg", ".pdf")
+
+REGION_COLOURS = ("#b07cc6", "#7b3294")
+"""Checkpointed regions alternate colours so that adjacent regions stay apart."""
+
+RECOMPUTE_OFFSET = 0.5
+"""A replay is drawn this many node positions before the backward node that triggers it."""
+
+
+class MeasuredSeries(Protocol):
+    """A measured timeline: (phase, live bytes) samples in step order."""
+
+    @property
+    def samples(self) -> Sequence[tuple[str, int]]: ...
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError(
+            "planner's plots need matplotlib: pip install matplotlib (or pip install 'planner[plots]')"
+        ) from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+@dataclass(frozen=True)
+class _Scale:
+    """Bytes per unit of the y-axis, chosen so the peak reads as a small number."""
+
+    divisor: int
+    unit: str
+
+    @classmethod
+    def for_bytes(cls, largest_bytes: float) -> _Scale:
+        for divisor, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+            if largest_bytes >= divisor:
+                return cls(divisor, unit)
+        return cls(1, "B")
+
+
+def timeline_positions(graph: ActivationGraph, trace: Sequence[TraceStep]) -> list[float]:
+    """x position of each trace step: forward node i at i, its backward at 2n-1-i, the step at 2n.
+
+    Replays sit `RECOMPUTE_OFFSET` before the backward node that triggers them, so a plan's trace and
+    the baseline's (which has no replays) line up node for node.
+    """
+    count = len(graph.nodes)
+    index_of = {node.name: index for index, node in enumerate(graph.nodes)}
+    positions = []
+    for step in trace:
+        if step.phase is Phase.FORWARD:
+            positions.append(float(index_of[step.node]))
+        elif step.phase is Phase.OPTIMIZER:
+            positions.append(float(2 * count))
+        else:
+            backward = 2 * count - 1 - index_of[step.node]
+            positions.append(backward - (RECOMPUTE_OFFSET if step.phase is Phase.RECOMPUTE else 0.0))
+    return positions
+
+
+def _step_series(graph: ActivationGraph, trace: Sequence[TraceStep], scale: _Scale) -> tuple[list, list]:
+    positions = timeline_positions(graph, trace)
+    values = [step.live_bytes / scale.divisor for step in trace]
+    end = 2 * len(graph.nodes) * (1 + OPTIMIZER_WIDTH)
+    return [*positions, end], [*values, values[-1]]
+
+
+def _measured_series(graph: ActivationGraph, measured: MeasuredSeries, scale: _Scale) -> tuple[list, list]:
+    """Measured samples stretched over each phase's span (operators do not map one-to-one to nodes)."""
+    count = len(graph.nodes)
+    spans = {
+        "forward": (0.0, float(count)),
+        "backward": (float(count), float(2 * count)),
+        "optimizer step": (float(2 * count), 2 * count * (1 + OPTIMIZER_WIDTH)),
+    }
+    xs: list[float] = []
+    ys: list[float] = []
+    for phase, (start, stop) in spans.items():
+        values = [live_bytes for name, live_bytes in measured.samples if name == phase]
+        for index, live_bytes in enumerate(values):
+            xs.append(start + (stop - start) * index / len(values))
+            ys.append(live_bytes / scale.divisor)
+    return xs, ys
+
+
+def _shade_phases(axes: Axes, count: int) -> None:
+    bounds = (0.0, float(count), float(2 * count), 2 * count * (1 + OPTIMIZER_WIDTH))
+    for (name, colour), start, stop in zip(PHASE_SPANS, bounds[:-1], bounds[1:], strict=True):
+        axes.axvspan(start, stop, color=colour, zorder=0, linewidth=0)
+        axes.text(
+            (start + stop) / 2,
+            0.985,
+            name if name != "optimizer step" else "optim.",
+            transform=axes.get_xaxis_transform(),
+            ha="center",
+            va="top",
+            fontsize=9,
+            color="#444444",
+        )
+
+
+def _mark_regions(axes: Axes, graph: ActivationGraph, schedule: Schedule) -> None:
+    """A numbered bar at the bottom for each checkpointed region, in forward and mirrored in backward."""
+    count = len(graph.nodes)
+    for number, region in enumerate(schedule.checkpointed, start=1):
+        colour = REGION_COLOURS[number % len(REGION_COLOURS)]
+        for start, stop in ((region.start, region.stop), (2 * count - region.stop, 2 * count - region.start)):
+            axes.axvspan(start, stop, ymin=0.0, ymax=0.025, color=colour, linewidth=0, zorder=2)
+            axes.text(
+                (start + stop) / 2,
+                0.03,
+                str(number),
+                transform=axes.get_xaxis_transform(),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color=colour,
+            )
+
+
+def _timeline_title(plan: Plan) -> str:
+    regions = len(plan.schedule.checkpointed)
+    if not regions:
+        return "Memory over one training step: nothing checkpointed"
+    return f"Memory over one training step: {regions} checkpointed region{'s' * (regions > 1)} (purple bars)"
+
+
+def plot_timeline(plan: Plan, path: str | Path, *, measured: MeasuredSeries | None = None) -> Path:
+    """Live memory over one training step, predicted with the plan and without checkpointing.
+
+    `measured`, e.g. `planner.measurement.measure_timeline(plan.module, inputs)`, adds the measured
+    series of the planned module. Returns the path written.
+    """
+    target = _target(path)
+    plt = _pyplot()
+    graph, count = plan.graph, len(plan.graph.nodes)
+    largest = max(plan.baseline_peak_bytes, plan.predicted_peak_bytes, plan.budget_bytes)
+    if measured is not None:
+        largest = max(largest, *(live_bytes for _, live_bytes in measured.samples))
+    scale = _Scale.for_bytes(largest)
+    figure, axes = plt.subplots(figsize=(9, 5.4), layout="constrained")
+    _shade_phases(axes, count)
+    axes.axhspan(
+        0,
+        graph.static.resident_bytes / scale.divisor,
+        color="#bbbbbb",
+        alpha=0.35,
+        zorder=1,
+        linewidth=0,
+        label="parameters + optimizer state + inputs (no plan changes them)",
+    )
+    xs, ys = _step_series(graph, plan.simulation.trace, scale)
+    axes.step(
+        xs,
+        ys,
+        where="post",
+        color="#1b9e77",
+        linewidth=2.6,
+        zorder=3,
+        label=f"predicted, with the {plan.solver} plan (peak {format_bytes(plan.predicted_peak_bytes)})",
+    )
+    xs, ys = _step_series(graph, plan.baseline.trace, scale)
+    axes.step(
+        xs,
+        ys,
+        where="post",
+        color="#d95f02",
+        linewidth=1.2,
+        zorder=4,
+        label=f"predicted, no checkpointing (peak {format_bytes(plan.baseline_peak_bytes)})",
+    )
+    if measured is not None:
+        xs, ys = _measured_series(graph, measured, scale)
+        axes.plot(
+            xs,
+            ys,
+            color="#333333",
+            linewidth=0.9,
+            linestyle=":",
+            zorder=5,
+            label="measured, with the plan (per operator, stretched over each phase)",
+        )
+    axes.axhline(
+        plan.budget_bytes / scale.divisor,
+        color="#c0392b",
+        linestyle="--",
+        linewidth=1.2,
+        zorder=2,
+        label=f"budget {format_bytes(plan.budget_bytes)}",
+    )
+    _mark_regions(axes, graph, plan.schedule)
+    axes.set_xlim(0, 2 * count * (1 + OPTIMIZER_WIDTH))
+    axes.set_ylim(0, largest / scale.divisor * 1.18)
+    axes.set_xlabel("position in the training step (graph nodes: forward, then backward in reverse)")
+    axes.set_ylabel(f"live memory ({scale.unit})")
+    axes.set_title(_timeline_title(plan), fontsize=11)
+    figure.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
+    return _save(figure, plt, target)
+
+
+def plot_pareto(
+    points: Sequence[tuple[int, float]],
+    path: str | Path,
+    *,
+    budget_bytes: int | None = None,
+    baselines: Mapping[str, tuple[int, float]] | None = None,
+    chosen: tuple[int, float] | None = None,
+) -> Path:
+    """Predicted peak against predicted overhead for plans on the frontier.
+
+    `points` are (peak bytes, overhead as a fraction of the step) pairs from any frontier or budget
+    sweep; `baselines` maps a label (e.g. "no checkpointing", "sqrt(n) segments", "every block") to
+    its point; `chosen` highlights the plan picked for the budget. Returns the path written.
+    """
+    if not points:
+        raise ValueError("plot_pareto needs at least one (peak_bytes, overhead) point, got none")
+    target = _target(path)
+    plt = _pyplot()
+    extra = list((baselines or {}).values()) + ([chosen] if chosen else [])
+    largest = max(peak for peak, _ in [*points, *extra])
+    if budget_bytes is not None:
+        largest = max(largest, budget_bytes)
+    scale = _Scale.for_bytes(largest)
+    frontier = sorted(points)
+    figure, axes = plt.subplots(figsize=(7.5, 4.8), layout="constrained")
+    axes.step(
+        [peak / scale.divisor for peak, _ in frontier],
+        [100 * overhead for _, overhead in frontier],
+        where="post",
+        color="#1b9e77",
+        linewidth=2,
+        marker="o",
+        markersize=4,
+        zorder=3,
+        label="planner frontier (predicted)",
+    )
+    markers = ("s", "^", "D", "v", "P", "X")
+    for (label, (peak, overhead)), marker in zip((baselines or {}).items(), markers * 4, strict=False):
+        axes.scatter(peak / scale.divisor, 100 * overhead, marker=marker, s=60, zorder=4, label=label)
+    if chosen is not None:
+        axes.scatter(
+            chosen[0] / scale.divisor,
+            100 * chosen[1],
+            s=160,
+            facecolors="none",
+            edgecolors="#c0392b",
+            linewidths=2,
+            zorder=5,
+            label="plan for the budget",
+        )
+    if budget_bytes is not None:
+        axes.axvline(
+            budget_bytes / scale.divisor,
+            color="#c0392b",
+            linestyle="--",
+            linewidth=1.2,
+            label=f"budget {format_bytes(budget_bytes)}",
+        )
+        axes.axvspan(
+            budget_bytes / scale.divisor,
+            largest / scale.divisor * 1.05,
+            color="#c0392b",
+            alpha=0.06,
+            linewidth=0,
+        )
+    axes.set_xlim(left=0, right=largest / scale.divisor * 1.05)
+    axes.set_ylim(bottom=0)
+    axes.set_xlabel(f"predicted peak memory of the training step ({scale.unit})")
+    axes.set_ylabel("predicted recompute overhead (% of step time)")
+    axes.set_title("Peak memory vs recompute: every plan on the frontier", fontsize=11)
+    axes.legend(fontsize=8, framealpha=0.9)
+    axes.grid(alpha=0.3)
+    return _save(figure, plt, target)
+
+
+def _target(path: str | Path) -> Path:
+    target = Path(path)
+    if target.suffix.lower() not in SUFFIXES:
+        raise ValueError(f"save plots as one of {', '.join(SUFFIXES)}; got {str(path)!r}")
+    return target
+
+
+def _save(figure: Any, plt: Any, target: Path) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(target, dpi=150)
+    plt.close(figure)
+    return target

@@ -1,0 +1,331 @@
+"""The plan's report (`Plan.summary()`) and the levers to pull when checkpointing cannot help.
+
+Why it exists: the people in the seed threads could not tell *why* memory did not drop. A bare
+"predicted peak" does not tell them; what does is which phase of the step sets the peak, what is alive
+at that moment, and how much of it any checkpoint plan can touch. When the answer is "none of it"
+(the optimizer step sets the peak, or the lowest achievable peak is the no-checkpointing peak), the
+report says so with the numbers and estimates what the next levers would do.
+
+NOTE [lever estimates]: a lever's effect is *estimated*, not predicted: the graph was profiled with
+one dtype, one optimizer, one device and one batch size, so the report scales the components of the
+two candidate peaks (forward/backward and the optimizer step) by a factor per lever and takes the
+larger peak. The factors and their assumptions are in `LEVER_RULES`; each printed line repeats its
+assumption and says "estimate".
+
+Everything here reads plain data (ir.py) and the torch-free simulator; it never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from planner.errors import format_bytes
+from planner.ir import ActivationGraph, Phase, Schedule, SimulationResult
+from planner.naming import describe_region
+from planner.simulate import simulate, store_everything
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
+
+__all__ = [
+    "CANNOT_HELP_FRACTION",
+    "COMPONENT_LABELS",
+    "FORWARD_BACKWARD",
+    "LEVER_RULES",
+    "OPTIMIZER_STEP",
+    "Lever",
+    "LeverRule",
+    "cannot_help_reason",
+    "describe_peak",
+    "estimate_levers",
+    "peak_components",
+    "render_levers",
+    "render_summary",
+]
+
+CANNOT_HELP_FRACTION = 0.05
+"""Below this fraction of the no-checkpointing peak, the best plan's saving is not worth its recompute."""
+
+FORWARD_BACKWARD = "forward/backward"
+OPTIMIZER_STEP = "optimizer step"
+
+COMPONENT_LABELS: dict[str, str] = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "inputs": "inputs",
+    "buffers": "buffers",
+    "activations": "kept activations",
+    "recompute": "recompute peak",
+    "workspace": "workspace",
+}
+"""Simulator breakdown keys, in report order, with the words the report uses."""
+
+STATIC_COMPONENTS = ("parameters", "gradients", "optimizer_state", "inputs", "buffers")
+
+
+@dataclass(frozen=True)
+class LeverRule:
+    """A way to lower the peak other than checkpointing, as factors on the peak's components.
+
+    `forward_backward` and `optimizer_step` map component names to the factor the lever applies in
+    that phase; components not named keep their size. See NOTE [lever estimates].
+    """
+
+    name: str
+    assumption: str
+    forward_backward: Mapping[str, float]
+    optimizer_step: Mapping[str, float]
+    optimizers: tuple[str, ...] = ()
+    """Optimizer names (lower case prefixes) the lever applies to; empty means any."""
+
+
+SHARDING_DEVICES = 2
+"""Devices in the sharding estimate: the smallest setup that shards, and the easiest to scale from."""
+
+LEVER_RULES: tuple[LeverRule, ...] = (
+    LeverRule(
+        name="bf16 autocast",
+        assumption="saved activations halve (matmul/conv inputs kept in bf16); fp32 weights, "
+        "gradients and optimizer state unchanged",
+        forward_backward={"activations": 0.5, "recompute": 0.5},
+        optimizer_step={},
+    ),
+    LeverRule(
+        name="8-bit Adam (e.g. bitsandbytes)",
+        assumption="two 1-byte states per parameter instead of two fp32",
+        forward_backward={"optimizer_state": 0.25},
+        optimizer_step={"optimizer_state": 0.25},
+        optimizers=("adam",),
+    ),
+    LeverRule(
+        name="SGD with momentum",
+        assumption="one fp32 state per parameter instead of two",
+        forward_backward={"optimizer_state": 0.5},
+        optimizer_step={"optimizer_state": 0.5},
+        optimizers=("adam",),
+    ),
+    LeverRule(
+        name="SGD without momentum",
+        assumption="no optimizer state",
+        forward_backward={"optimizer_state": 0.0},
+        optimizer_step={"optimizer_state": 0.0},
+        optimizers=("sgd-momentum",),
+    ),
+    LeverRule(
+        name=f"sharding over {SHARDING_DEVICES} devices (FSDP/ZeRO-3)",
+        assumption=f"parameters, gradients, optimizer state and its step split {SHARDING_DEVICES} ways; "
+        "ignores the gathered layer's transient",
+        forward_backward={
+            key: 1 / SHARDING_DEVICES for key in ("parameters", "gradients", "optimizer_state")
+        },
+        optimizer_step={
+            key: 1 / SHARDING_DEVICES for key in ("parameters", "gradients", "optimizer_state", "workspace")
+        },
+    ),
+    LeverRule(
+        name="half the batch (2 accumulation steps)",
+        assumption="inputs, activations and their temporaries scale with the batch",
+        forward_backward={"inputs": 0.5, "activations": 0.5, "recompute": 0.5, "workspace": 0.5},
+        optimizer_step={"inputs": 0.5},
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Lever:
+    """The estimated peak if one lever were pulled (see NOTE [lever estimates])."""
+
+    name: str
+    estimated_peak_bytes: int
+    saving_bytes: int
+    assumption: str
+
+
+def peak_components(graph: ActivationGraph, schedule: Schedule) -> dict[str, dict[str, int]]:
+    """Bytes by component at the forward/backward peak and at the optimizer step, under `schedule`."""
+    without_step = simulate(dataclasses.replace(graph, optimizer="none"), schedule)
+    components = {FORWARD_BACKWARD: dict(without_step.breakdown)}
+    if graph.optimizer != "none":
+        static = graph.static
+        components[OPTIMIZER_STEP] = {
+            "parameters": static.parameter_bytes,
+            "buffers": static.buffer_bytes,
+            "inputs": static.input_bytes,
+            "optimizer_state": static.optimizer_state_bytes,
+            "gradients": static.gradient_bytes,
+            "workspace": static.optimizer_step_workspace_bytes,
+        }
+    return components
+
+
+def _applies(rule: LeverRule, optimizer: str) -> bool:
+    return not rule.optimizers or any(optimizer.lower().startswith(name) for name in rule.optimizers)
+
+
+def estimate_levers(components: Mapping[str, Mapping[str, int]], *, optimizer: str) -> list[Lever]:
+    """Each applicable lever's estimated peak, from the components of each candidate peak.
+
+    `components` maps a phase (`FORWARD_BACKWARD`, `OPTIMIZER_STEP`, or any single peak's name) to its
+    bytes by component; a phase other than the optimizer step is scaled with the forward/backward
+    factors. Levers that would not lower the peak are kept: "bf16 does nothing here" is an answer.
+    """
+    current_bytes = max(sum(parts.values()) for parts in components.values())
+    levers = []
+    for rule in LEVER_RULES:
+        if not _applies(rule, optimizer):
+            continue
+        estimated_bytes = 0
+        for phase, parts in components.items():
+            factors = rule.optimizer_step if phase == OPTIMIZER_STEP else rule.forward_backward
+            scaled = sum(round(size * factors.get(key, 1.0)) for key, size in parts.items())
+            estimated_bytes = max(estimated_bytes, scaled)
+        levers.append(
+            Lever(
+                name=rule.name,
+                estimated_peak_bytes=estimated_bytes,
+                saving_bytes=current_bytes - estimated_bytes,
+                assumption=rule.assumption,
+            )
+        )
+    return levers
+
+
+def render_levers(levers: list[Lever], indent: str = "    ") -> list[str]:
+    """Two lines per lever: estimated peak and saving, then the assumption behind the estimate."""
+    width = max((len(lever.name) for lever in levers), default=0)
+    lines = []
+    for lever in levers:
+        lines += [
+            f"{indent}{lever.name:<{width}}  ~{format_bytes(lever.estimated_peak_bytes):>11}  "
+            f"(estimate, -{format_bytes(lever.saving_bytes)})",
+            f"{indent}  assumes {lever.assumption}",
+        ]
+    return lines
+
+
+def _region_number(schedule: Schedule, index: int) -> int | None:
+    """1-based number of the checkpointed region holding node `index`, if any."""
+    for number, region in enumerate(schedule.checkpointed, start=1):
+        if region.start <= index < region.stop:
+            return number
+    return None
+
+
+def describe_peak(graph: ActivationGraph, schedule: Schedule, result: SimulationResult) -> str:
+    """Which phase sets the peak, in words: forward, backward of region k, or the optimizer step."""
+    if result.peak_phase is Phase.OPTIMIZER:
+        return "the optimizer step (parameters, gradients, optimizer state and the step's temporaries)"
+    index = graph.index_of(result.peak_node)
+    node = graph.nodes[index]
+    where = f"node {node.name}" + (f" ({node.module_path})" if node.module_path else "")
+    if result.peak_phase is Phase.FORWARD:
+        return f"forward, at {where}"
+    number = _region_number(schedule, index)
+    if number is None:
+        outside = ", outside any checkpointed region" if schedule.checkpointed else ""
+        return f"backward, at {where}{outside}"
+    if result.peak_phase is Phase.RECOMPUTE:
+        return f"backward of checkpointed region {number}, while its forward is recomputed (at {where})"
+    return f"backward of checkpointed region {number}, at {where}"
+
+
+def cannot_help_reason(plan: Plan) -> str | None:
+    """Why checkpointing cannot help this step, with the numbers; None when it can."""
+    baseline = plan.baseline
+    if baseline.peak_phase is Phase.OPTIMIZER:
+        parts = peak_components(plan.graph, plan.schedule)
+        step = parts[OPTIMIZER_STEP]
+        labels = {**COMPONENT_LABELS, "workspace": "step temporaries"}
+        listed = " + ".join(
+            f"{label} {format_bytes(step[key])}" for key, label in labels.items() if step.get(key, 0)
+        )
+        forward_backward_bytes = sum(parts[FORWARD_BACKWARD].values())
+        return (
+            f"the optimizer step sets the peak ({format_bytes(baseline.peak_bytes)} = {listed}) and no "
+            f"activation is alive then, so no checkpoint plan lowers it; forward and backward peak at "
+            f"{format_bytes(forward_backward_bytes)} under this plan."
+        )
+    saving_bytes = plan.baseline_peak_bytes - plan.min_peak_bytes
+    if saving_bytes < CANNOT_HELP_FRACTION * plan.baseline_peak_bytes:
+        static_bytes = sum(baseline.breakdown.get(key, 0) for key in STATIC_COMPONENTS)
+        return (
+            f"the best plan lowers the peak by only {format_bytes(saving_bytes)} "
+            f"({saving_bytes / plan.baseline_peak_bytes:.1%} of {format_bytes(plan.baseline_peak_bytes)}): "
+            f"parameters, gradients, optimizer state and inputs are {format_bytes(static_bytes)} of it, "
+            f"and the activations left are what the backward pass needs at once."
+        )
+    return None
+
+
+def _breakdown_rows(plan: Plan) -> list[str]:
+    planned, baseline = plan.simulation.breakdown, plan.baseline.breakdown
+    rows = [f"  {'bytes at the peak (predicted)':<32}{'with plan':>12}{'no checkpointing':>18}"]
+    for key, label in COMPONENT_LABELS.items():
+        if planned.get(key, 0) or baseline.get(key, 0):
+            rows.append(
+                f"    {label:<30}{format_bytes(planned.get(key, 0)):>12}"
+                f"{format_bytes(baseline.get(key, 0)):>18}"
+            )
+    rows.append(
+        f"    {'total = peak':<30}{format_bytes(plan.predicted_peak_bytes):>12}"
+        f"{format_bytes(plan.baseline_peak_bytes):>18}"
+    )
+    planned_parts = peak_components(plan.graph, plan.schedule)
+    baseline_parts = peak_components(plan.graph, store_everything(plan.graph))
+    for phase in planned_parts:
+        rows.append(
+            f"  {phase + ' peak':<32}{format_bytes(sum(planned_parts[phase].values())):>12}"
+            f"{format_bytes(sum(baseline_parts[phase].values())):>18}"
+        )
+    return rows
+
+
+def _region_rows(plan: Plan) -> list[str]:
+    checkpointed = plan.schedule.checkpointed
+    if not checkpointed:
+        return ["  checkpointed regions: none (everything is stored, as without checkpointing)"]
+    rows = [f"  checkpointed regions ({len(checkpointed)}, each recomputed once in backward):"]
+    for number, region in enumerate(checkpointed, start=1):
+        rows.append(
+            f"    {number}. {describe_region(plan.graph, region)}  ({region.stop - region.start} nodes)"
+        )
+    return rows
+
+
+def render_summary(plan: Plan) -> str:
+    """The plain-text report of `plan` (see the module docstring for what it answers)."""
+    result, baseline = plan.simulation, plan.baseline
+    saving_bytes = plan.baseline_peak_bytes - plan.predicted_peak_bytes
+    spare_bytes = plan.budget_bytes - plan.predicted_peak_bytes
+    lines = [
+        f"checkpoint plan: {plan.solver} solver, {len(plan.graph.nodes)} nodes captured by {plan.capture}, "
+        f"optimizer {plan.graph.optimizer}",
+        "  every figure is predicted by the simulator from one profiled step (per-node times measured",
+        "  on the profiling machine); measure plan.module with planner.measure for measured figures",
+        f"  {'budget':<32}{format_bytes(plan.budget_bytes):>12}",
+        f"  {'predicted peak':<32}{format_bytes(plan.predicted_peak_bytes):>12}  "
+        + (f"fits, {format_bytes(spare_bytes)} to spare" if spare_bytes >= 0 else "OVER the budget"),
+        f"  {'predicted peak, no checkpointing':<32}{format_bytes(plan.baseline_peak_bytes):>12}",
+        f"  {'lowest achievable peak':<32}{format_bytes(plan.min_peak_bytes):>12}  (predicted, any plan)",
+        f"  {'predicted saving':<32}{format_bytes(saving_bytes):>12}  "
+        f"({saving_bytes / plan.baseline_peak_bytes:.1%} of no checkpointing)",
+        f"  {'predicted overhead':<32}{plan.predicted_overhead:>12.1%}  "
+        f"(recompute {result.recompute_ms:.1f} ms of a {result.step_ms:.1f} ms step)",
+        f"  peak set in: {describe_peak(plan.graph, plan.schedule, result)}",
+        f"  without checkpointing: {describe_peak(plan.graph, store_everything(plan.graph), baseline)}",
+        *_breakdown_rows(plan),
+        *_region_rows(plan),
+    ]
+    reason = cannot_help_reason(plan)
+    if reason is not None:
+        components = peak_components(plan.graph, plan.schedule)
+        lines += [
+            f"  checkpointing cannot help here: {reason}",
+            "  next levers (estimates from the graph's bytes, not predictions; see planner/report.py):",
+            *render_levers(estimate_levers(components, optimizer=plan.graph.optimizer)),
+        ]
+    return "\n".join(lines)

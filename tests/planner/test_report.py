@@ -1,0 +1,239 @@
+"""The report's numbers against the plan, its verdicts, and the exports (no torch, except where marked)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from synthetic_graphs import MIB, chain_graph, static_bytes
+
+from planner.errors import format_bytes
+from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
+from planner.naming import describe_region, module_cover, python_path, sibling_run
+from planner.plan import Plan
+from planner.report import (
+    COMPONENT_LABELS,
+    FORWARD_BACKWARD,
+    OPTIMIZER_STEP,
+    estimate_levers,
+    peak_components,
+)
+from planner.simulate import simulate, store_everything
+
+SIZES_MIB = [8, 8, 8, 8, 8, 8]
+
+
+def schedule_of(graph: ActivationGraph, *spans: tuple[int, int]) -> Schedule:
+    """Checkpoint each [start, stop) span; store everything else."""
+    regions, position = [], 0
+    for start, stop in sorted(spans):
+        if start > position:
+            regions.append(Region(position, start, RegionPolicy.STORE))
+        regions.append(Region(start, stop, RegionPolicy.CHECKPOINT))
+        position = stop
+    regions.append(Region(position, len(graph.nodes), RegionPolicy.STORE))
+    return Schedule(regions=tuple(regions), solver="hand")
+
+
+def plan_of(graph: ActivationGraph, schedule: Schedule, budget_bytes: int | None = None) -> Plan:
+    lowest = min(simulate(graph, s).peak_bytes for s in (schedule, store_everything(graph)))
+    peak = simulate(graph, schedule).peak_bytes
+    return Plan(graph=graph, schedule=schedule, budget_bytes=budget_bytes or peak, min_peak_bytes=lowest)
+
+
+def test_headline_figures_are_the_plans_numbers() -> None:
+    graph = chain_graph(SIZES_MIB)
+    plan = plan_of(graph, schedule_of(graph, (1, 4)), budget_bytes=200 * MIB)
+    report = plan.summary()
+    assert f"{'budget':<32}{format_bytes(200 * MIB):>12}" in report
+    assert f"{'predicted peak':<32}{format_bytes(plan.predicted_peak_bytes):>12}" in report
+    assert f"{format_bytes(plan.baseline_peak_bytes):>12}" in report
+    assert f"{'lowest achievable peak':<32}{format_bytes(plan.min_peak_bytes):>12}" in report
+    saving = plan.baseline_peak_bytes - plan.predicted_peak_bytes
+    assert f"{'predicted saving':<32}{format_bytes(saving):>12}" in report
+    assert f"{plan.predicted_overhead:>12.1%}" in report
+    assert (
+        f"recompute {plan.simulation.recompute_ms:.1f} ms of a {plan.simulation.step_ms:.1f} ms step"
+        in report
+    )
+    assert "fits, " in report and "predicted by the simulator" in report
+
+
+def test_breakdown_rows_equal_the_simulated_breakdowns_and_sum_to_the_peaks() -> None:
+    graph = chain_graph(SIZES_MIB)
+    plan = plan_of(graph, schedule_of(graph, (1, 4)))
+    report = plan.summary().splitlines()
+    for key, label in COMPONENT_LABELS.items():
+        planned, baseline = plan.simulation.breakdown.get(key, 0), plan.baseline.breakdown.get(key, 0)
+        rows = [line for line in report if line.strip().startswith(label + " ")]
+        if planned or baseline:
+            assert rows, f"no row for {label}"
+            assert f"{format_bytes(planned):>12}{format_bytes(baseline):>18}" in rows[0], rows[0]
+        else:
+            assert not rows, f"row for {label} although it is zero: {rows}"
+    assert sum(plan.simulation.breakdown.values()) == plan.predicted_peak_bytes
+    total = next(line for line in report if "total = peak" in line)
+    assert (
+        format_bytes(plan.predicted_peak_bytes) in total and format_bytes(plan.baseline_peak_bytes) in total
+    )
+
+
+def test_phase_peaks_are_the_trace_maxima() -> None:
+    graph = chain_graph(SIZES_MIB)
+    schedule = schedule_of(graph, (1, 4))
+    parts = peak_components(graph, schedule)
+    trace = simulate(graph, schedule).trace
+    assert sum(parts[FORWARD_BACKWARD].values()) == max(
+        step.live_bytes for step in trace if step.phase is not Phase.OPTIMIZER
+    )
+    assert sum(parts[OPTIMIZER_STEP].values()) == next(
+        step.live_bytes for step in trace if step.phase is Phase.OPTIMIZER
+    )
+
+
+def test_peak_inside_a_checkpointed_region_names_the_region_by_number() -> None:
+    graph = chain_graph([1, 1, 32, 32, 32, 1, 1])
+    schedule = schedule_of(graph, (0, 1), (2, 5))
+    plan = plan_of(graph, schedule)
+    result = plan.simulation
+    assert result.peak_phase in (Phase.RECOMPUTE, Phase.BACKWARD)
+    assert 2 <= graph.index_of(result.peak_node) < 5, result.peak_node
+    assert "peak set in: backward of checkpointed region 2" in plan.summary()
+
+
+def test_regions_are_listed_in_module_names() -> None:
+    graph = chain_graph(SIZES_MIB)
+    plan = plan_of(graph, schedule_of(graph, (0, 1), (1, 4)))
+    report = plan.summary()
+    assert "checkpointed regions (2," in report
+    assert "1. layers.0  (1 nodes)" in report
+    assert "2. layers.1 .. layers.3  (3 nodes)" in report
+
+
+def optimizer_bound_graph() -> ActivationGraph:
+    """Tiny activations beside 64 MiB of parameters under Adam: the optimizer step sets every peak."""
+    graph = chain_graph([1, 1, 1, 1])
+    return dataclasses.replace(graph, static=static_bytes(parameter_bytes=64 * MIB))
+
+
+def test_optimizer_step_peak_says_checkpointing_cannot_help_with_numbers_and_levers() -> None:
+    graph = optimizer_bound_graph()
+    plan = plan_of(graph, store_everything(graph))
+    report = plan.summary()
+    assert plan.baseline.peak_phase is Phase.OPTIMIZER
+    assert "peak set in: the optimizer step" in report
+    assert "checkpointing cannot help here: the optimizer step sets the peak" in report
+    assert f"({format_bytes(plan.baseline_peak_bytes)} = parameters {format_bytes(64 * MIB)}" in report
+    for lever in (
+        "bf16 autocast",
+        "8-bit Adam",
+        "SGD with momentum",
+        "sharding over 2 devices",
+        "half the batch",
+    ):
+        assert lever in report, lever
+    assert report.count("(estimate, -") == 5 and report.count("assumes ") == 5
+
+
+def test_lever_estimates_scale_the_components_of_both_peaks() -> None:
+    graph = optimizer_bound_graph()
+    parts = peak_components(graph, store_everything(graph))
+    step, forward_backward = parts[OPTIMIZER_STEP], parts[FORWARD_BACKWARD]
+    levers = {lever.name: lever for lever in estimate_levers(parts, optimizer="adam")}
+    current = max(sum(step.values()), sum(forward_backward.values()))
+    # bf16 touches activations only, which are not alive in the optimizer step that sets the peak.
+    assert levers["bf16 autocast"].estimated_peak_bytes == current
+    assert levers["bf16 autocast"].saving_bytes == 0
+    sgd = sum(step.values()) - step["optimizer_state"] // 2
+    assert levers["SGD with momentum"].estimated_peak_bytes == max(
+        sgd, sum(forward_backward.values()) - forward_backward["optimizer_state"] // 2
+    )
+    sharded_step = sum(step.values()) - sum(
+        step[key] // 2 for key in ("parameters", "gradients", "optimizer_state", "workspace")
+    )
+    sharded_forward_backward = sum(forward_backward.values()) - sum(
+        forward_backward.get(key, 0) // 2 for key in ("parameters", "gradients", "optimizer_state")
+    )
+    assert levers["sharding over 2 devices (FSDP/ZeRO-3)"].estimated_peak_bytes == max(
+        sharded_step, sharded_forward_backward
+    )
+    assert all(lever.saving_bytes == current - lever.estimated_peak_bytes for lever in levers.values())
+
+
+def test_optimizer_levers_follow_the_optimizer() -> None:
+    parts = {"peak": {"optimizer_state": 8 * MIB, "activations": 8 * MIB}}
+    assert "8-bit Adam (e.g. bitsandbytes)" in {
+        lever.name for lever in estimate_levers(parts, optimizer="AdamW")
+    }
+    names = {lever.name for lever in estimate_levers(parts, optimizer="sgd-momentum")}
+    assert "SGD without momentum" in names and "SGD with momentum" not in names
+    names = {lever.name for lever in estimate_levers(parts, optimizer="sgd")}
+    assert not any("SGD" in name or "Adam" in name for name in names)
+
+
+def test_min_peak_near_baseline_says_checkpointing_cannot_help() -> None:
+    graph = dataclasses.replace(chain_graph([1, 1, 1, 1]), optimizer="none")
+    plan = plan_of(graph, store_everything(graph))
+    saving = plan.baseline_peak_bytes - plan.min_peak_bytes
+    assert saving < 0.05 * plan.baseline_peak_bytes
+    assert f"the best plan lowers the peak by only {format_bytes(saving)}" in plan.summary()
+
+
+def test_no_verdict_when_checkpointing_helps() -> None:
+    graph = chain_graph(SIZES_MIB)
+    report = plan_of(graph, schedule_of(graph, (1, 4))).summary()
+    assert "cannot help" not in report and "next levers" not in report
+
+
+def test_summary_of_a_loaded_plan_imports_no_torch(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    graph = chain_graph(SIZES_MIB)
+    path = tmp_path / "plan.json"
+    path.write_text(plan_of(graph, schedule_of(graph, (1, 4))).to_json())
+    code = (
+        "import sys, planner; "
+        f"text = planner.Plan.from_json(open({str(path)!r}).read()).summary(); "
+        "assert 'torch' not in sys.modules, 'summary imported torch'; print(text)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "predicted peak" in done.stdout
+
+
+def test_module_cover_lifts_to_whole_modules_and_stops_at_shared_parents() -> None:
+    graph = chain_graph(SIZES_MIB)
+    nodes = [
+        dataclasses.replace(n, module_path=f"blocks.{i // 2}.op{i % 2}")
+        for i, n in enumerate(graph.nodes[:-1])
+    ]
+    graph = dataclasses.replace(graph, nodes=(*nodes, graph.nodes[-1]))
+    assert module_cover(graph, Region(0, 4, RegionPolicy.CHECKPOINT)) == ("blocks.0", "blocks.1")
+    assert module_cover(graph, Region(1, 4, RegionPolicy.CHECKPOINT)) == ("blocks.0.op1", "blocks.1")
+    assert sibling_run(("blocks.0", "blocks.1")) is not None
+    assert sibling_run(("blocks.0", "blocks.2")) is None
+    assert describe_region(graph, Region(0, 4, RegionPolicy.CHECKPOINT)) == "blocks.0 .. blocks.1"
+    assert describe_region(graph, Region(0, 6, RegionPolicy.CHECKPOINT)) == "blocks"
+    assert python_path("blocks.1.attention") == "self.blocks[1].attention"
+
+
+def test_torch_snippet_and_hf_kwargs_follow_the_regions() -> None:
+    graph = chain_graph(SIZES_MIB)
+    run = plan_of(graph, schedule_of(graph, (1, 4)))
+    snippet = run.to_torch_snippet()
+    assert "x = checkpoint(torch.nn.Sequential(*self.layers[1:4]), x, use_reentrant=False)" in snippet
+    with pytest.raises(ValueError, match="checkpoints every layer on its own.*layers.1 .. layers.3"):
+        run.to_hf_kwargs()
+    every_layer = plan_of(graph, schedule_of(graph, *((i, i + 1) for i in range(len(SIZES_MIB)))))
+    assert every_layer.to_hf_kwargs() == {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    nothing = plan_of(graph, store_everything(graph))
+    with pytest.raises(ValueError, match="checkpoints nothing"):
+        nothing.to_hf_kwargs()
+    assert "checkpoints nothing" in nothing.to_torch_snippet()
+
+
+def test_the_report_survives_a_json_round_trip() -> None:
+    graph = chain_graph(SIZES_MIB)
+    plan = plan_of(graph, schedule_of(graph, (1, 4)))
+    assert Plan.from_dict(json.loads(plan.to_json())).summary() == plan.summary()

@@ -6,9 +6,11 @@ peak sits, what the plan removed, what the static state (parameters, optimizer s
 untouched. The frontier plot shows what each extra percent of recompute buys against the budget and
 the usual baselines.
 
-matplotlib is imported lazily, on the Agg backend (no display needed), so `import planner` stays
-light; install it with `pip install matplotlib` (it comes with the `plots` and `dev` extras). Figures
-are saved in the format the path's suffix names (`.png`, `.svg`, `.pdf`). Nothing here imports torch:
+matplotlib is imported lazily, so `import planner` stays light; install it with `pip install matplotlib`
+(it comes with the `plots` and `dev` extras). The figures are `matplotlib.figure.Figure` objects made
+without pyplot: no backend is switched, no display is needed, nothing global is left open.
+`timeline_figure`/`pareto_figure` return them for further styling; `plot_timeline`/`plot_pareto` save
+them in the format the path's suffix names (`.png`, `.svg`, `.pdf`). Nothing here imports torch:
 a measured series is any object with `samples`, a sequence of (phase, live bytes) pairs, such as
 `planner.measurement.MeasuredTimeline`.
 """
@@ -18,17 +20,25 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Schedule, TraceStep
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
     from planner.plan import Plan
 
-__all__ = ["MeasuredSeries", "plot_pareto", "plot_timeline", "timeline_positions"]
+__all__ = [
+    "MeasuredSeries",
+    "pareto_figure",
+    "plot_pareto",
+    "plot_timeline",
+    "timeline_figure",
+    "timeline_positions",
+]
 
 PHASE_SPANS: tuple[tuple[str, str], ...] = (
     ("forward", "#dbe9f6"),
@@ -56,17 +66,15 @@ class MeasuredSeries(Protocol):
     def samples(self) -> Sequence[tuple[str, int]]: ...
 
 
-def _pyplot() -> Any:
+def _new_figure(width_inches: float, height_inches: float) -> Figure:
+    """A matplotlib Figure that belongs to no pyplot state, so no backend is switched or leaked."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError as error:
         raise ImportError(
             "planner's plots need matplotlib: pip install matplotlib (or pip install 'planner[plots]')"
         ) from error
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(figsize=(width_inches, height_inches), layout="constrained")
 
 
 @dataclass(frozen=True)
@@ -171,20 +179,19 @@ def _timeline_title(plan: Plan) -> str:
     return f"Memory over one training step: {regions} checkpointed region{'s' * (regions > 1)} (purple bars)"
 
 
-def plot_timeline(plan: Plan, path: str | Path, *, measured: MeasuredSeries | None = None) -> Path:
+def timeline_figure(plan: Plan, *, measured: MeasuredSeries | None = None) -> Figure:
     """Live memory over one training step, predicted with the plan and without checkpointing.
 
     `measured`, e.g. `planner.measurement.measure_timeline(plan.module, inputs)`, adds the measured
-    series of the planned module. Returns the path written.
+    series of the planned module.
     """
-    target = _target(path)
-    plt = _pyplot()
     graph, count = plan.graph, len(plan.graph.nodes)
     largest = max(plan.baseline_peak_bytes, plan.predicted_peak_bytes, plan.budget_bytes)
     if measured is not None:
         largest = max(largest, *(live_bytes for _, live_bytes in measured.samples))
     scale = _Scale.for_bytes(largest)
-    figure, axes = plt.subplots(figsize=(9, 5.4), layout="constrained")
+    figure = _new_figure(9, 5.4)
+    axes = figure.subplots()
     _shade_phases(axes, count)
     axes.axhspan(
         0,
@@ -241,34 +248,38 @@ def plot_timeline(plan: Plan, path: str | Path, *, measured: MeasuredSeries | No
     axes.set_ylabel(f"live memory ({scale.unit})")
     axes.set_title(_timeline_title(plan), fontsize=11)
     figure.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
-    return _save(figure, plt, target)
+    return figure
 
 
-def plot_pareto(
+def plot_timeline(plan: Plan, path: str | Path, *, measured: MeasuredSeries | None = None) -> Path:
+    """Save `timeline_figure(plan, measured=measured)` to `path` (.png, .svg or .pdf); returns the path."""
+    target = _target(path)
+    return _save(timeline_figure(plan, measured=measured), target)
+
+
+def pareto_figure(
     points: Sequence[tuple[int, float]],
-    path: str | Path,
     *,
     budget_bytes: int | None = None,
     baselines: Mapping[str, tuple[int, float]] | None = None,
     chosen: tuple[int, float] | None = None,
-) -> Path:
+) -> Figure:
     """Predicted peak against predicted overhead for plans on the frontier.
 
     `points` are (peak bytes, overhead as a fraction of the step) pairs from any frontier or budget
     sweep; `baselines` maps a label (e.g. "no checkpointing", "sqrt(n) segments", "every block") to
-    its point; `chosen` highlights the plan picked for the budget. Returns the path written.
+    its point; `chosen` highlights the plan picked for the budget.
     """
     if not points:
-        raise ValueError("plot_pareto needs at least one (peak_bytes, overhead) point, got none")
-    target = _target(path)
-    plt = _pyplot()
+        raise ValueError("a Pareto plot needs at least one (peak_bytes, overhead) point, got none")
     extra = list((baselines or {}).values()) + ([chosen] if chosen else [])
     largest = max(peak for peak, _ in [*points, *extra])
     if budget_bytes is not None:
         largest = max(largest, budget_bytes)
     scale = _Scale.for_bytes(largest)
     frontier = sorted(points)
-    figure, axes = plt.subplots(figsize=(7.5, 4.8), layout="constrained")
+    figure = _new_figure(7.5, 4.8)
+    axes = figure.subplots()
     axes.step(
         [peak / scale.divisor for peak, _ in frontier],
         [100 * overhead for _, overhead in frontier],
@@ -316,7 +327,21 @@ def plot_pareto(
     axes.set_title("Peak memory vs recompute: every plan on the frontier", fontsize=11)
     axes.legend(fontsize=8, framealpha=0.9)
     axes.grid(alpha=0.3)
-    return _save(figure, plt, target)
+    return figure
+
+
+def plot_pareto(
+    points: Sequence[tuple[int, float]],
+    path: str | Path,
+    *,
+    budget_bytes: int | None = None,
+    baselines: Mapping[str, tuple[int, float]] | None = None,
+    chosen: tuple[int, float] | None = None,
+) -> Path:
+    """Save `pareto_figure(points, ...)` to `path` (.png, .svg or .pdf); returns the path."""
+    target = _target(path)
+    figure = pareto_figure(points, budget_bytes=budget_bytes, baselines=baselines, chosen=chosen)
+    return _save(figure, target)
 
 
 def _target(path: str | Path) -> Path:
@@ -326,8 +351,7 @@ def _target(path: str | Path) -> Path:
     return target
 
 
-def _save(figure: Any, plt: Any, target: Path) -> Path:
+def _save(figure: Figure, target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(target, dpi=150)
-    plt.close(figure)
     return target

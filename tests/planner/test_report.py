@@ -188,14 +188,15 @@ def test_no_verdict_when_checkpointing_helps() -> None:
     assert "cannot help" not in report and "next levers" not in report
 
 
-def test_summary_of_a_loaded_plan_imports_no_torch(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_summary_of_a_loaded_plan_imports_neither_torch_nor_matplotlib(tmp_path) -> None:  # type: ignore[no-untyped-def]
     graph = chain_graph(SIZES_MIB)
     path = tmp_path / "plan.json"
     path.write_text(plan_of(graph, schedule_of(graph, (1, 4))).to_json())
     code = (
         "import sys, planner; "
         f"text = planner.Plan.from_json(open({str(path)!r}).read()).summary(); "
-        "assert 'torch' not in sys.modules, 'summary imported torch'; print(text)"
+        "assert 'torch' not in sys.modules, 'summary imported torch'; "
+        "assert 'matplotlib' not in sys.modules, 'summary imported matplotlib'; print(text)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr

@@ -1,0 +1,124 @@
+"""What-if: the checkpointing people apply by hand, predicted by the same simulator as the plans.
+
+Why it exists: the seed threads tried `checkpoint_sequential` with more and more segments (000),
+`checkpoint` around single operations (001) and `checkpoint_wrapper` around the whole model (003), and
+could not see why memory went up or stayed put. Building those hand-made schedules on the planner's
+graph and simulating them shows why, in the same numbers and the same report as a plan:
+
+- `equal_segments(graph, k)`: k segments of equal node count, all but the last checkpointed, as
+  `checkpoint_sequential(model, k, x)` splits an `nn.Sequential`;
+- `each_node(graph)`: every operation in its own checkpoint, as seed 001 wrote it;
+- `whole_model(graph)`: one checkpoint around the whole forward, as `checkpoint_wrapper(model)` does.
+
+Nodes that cannot be checkpointed (the loss) are stored, as in the real code. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from planner.errors import format_bytes
+from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
+from planner.simulate import simulate
+
+__all__ = ["WhatIf", "compare", "each_node", "equal_segments", "render_comparison", "whole_model"]
+
+
+def _region(graph: ActivationGraph, start: int, stop: int, *, checkpoint: bool) -> Region:
+    """A CHECKPOINT region when asked and allowed, else a STORE region."""
+    allowed = all(node.checkpointable for node in graph.nodes[start:stop])
+    return Region(start, stop, RegionPolicy.CHECKPOINT if checkpoint and allowed else RegionPolicy.STORE)
+
+
+def _merged(regions: list[Region]) -> tuple[Region, ...]:
+    """Adjacent STORE regions as one (a store region's extent does not change the simulation)."""
+    merged: list[Region] = []
+    for region in regions:
+        previous = merged[-1] if merged else None
+        if previous and previous.policy is RegionPolicy.STORE and region.policy is RegionPolicy.STORE:
+            merged[-1] = Region(previous.start, region.stop, RegionPolicy.STORE)
+        else:
+            merged.append(region)
+    return tuple(merged)
+
+
+def _body_end(graph: ActivationGraph) -> int:
+    """Index after the last checkpointable node: what follows (the loss) runs outside the model."""
+    return max((index + 1 for index, node in enumerate(graph.nodes) if node.checkpointable), default=0)
+
+
+def equal_segments(graph: ActivationGraph, count: int) -> Schedule:
+    """`count` segments of equal node count over the model, all but the last checkpointed."""
+    if count < 1:
+        raise ValueError(f"count must be a positive number of segments, got {count!r}")
+    end = _body_end(graph)
+    count = min(count, max(end, 1))
+    bounds = [round(index * end / count) for index in range(count + 1)]
+    regions = [
+        _region(graph, start, stop, checkpoint=number < count - 1)
+        for number, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
+        if stop > start
+    ]
+    if end < len(graph.nodes):
+        regions.append(Region(end, len(graph.nodes), RegionPolicy.STORE))
+    return Schedule(regions=_merged(regions), solver=f"{count} equal segments")
+
+
+def each_node(graph: ActivationGraph) -> Schedule:
+    """Every checkpointable node in a checkpoint of its own."""
+    regions = [_region(graph, index, index + 1, checkpoint=True) for index in range(len(graph.nodes))]
+    return Schedule(regions=_merged(regions), solver="each op checkpointed")
+
+
+def whole_model(graph: ActivationGraph) -> Schedule:
+    """One checkpoint around the model's whole forward; the loss after it is stored."""
+    end = _body_end(graph)
+    regions = [_region(graph, 0, end, checkpoint=True)] if end else []
+    if end < len(graph.nodes):
+        regions.append(Region(end, len(graph.nodes), RegionPolicy.STORE))
+    return Schedule(regions=_merged(regions), solver="whole model checkpointed")
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """The predicted outcome of one schedule (all figures predicted by the simulator)."""
+
+    name: str
+    checkpointed_regions: int
+    peak_bytes: int
+    peak_phase: Phase
+    overhead: float
+
+
+def compare(graph: ActivationGraph, schedules: Mapping[str, Schedule]) -> list[WhatIf]:
+    """Simulate each named schedule on `graph`, in the order given."""
+    rows = []
+    for name, schedule in schedules.items():
+        result = simulate(graph, schedule)
+        rows.append(
+            WhatIf(
+                name=name,
+                checkpointed_regions=len(schedule.checkpointed),
+                peak_bytes=result.peak_bytes,
+                peak_phase=result.peak_phase,
+                overhead=result.overhead,
+            )
+        )
+    return rows
+
+
+def render_comparison(rows: list[WhatIf], *, baseline_bytes: int | None = None) -> str:
+    """A table of the rows; with `baseline_bytes`, each peak's change against it."""
+    width = max((len(row.name) for row in rows), default=0)
+    lines = [f"{'schedule':<{width}}  {'regions':>7}  {'predicted peak':>14}  {'set in':<14}  overhead"]
+    for row in rows:
+        change = ""
+        if baseline_bytes is not None:
+            sign = "+" if row.peak_bytes >= baseline_bytes else "-"
+            change = f"  ({sign}{format_bytes(abs(row.peak_bytes - baseline_bytes))})"
+        lines.append(
+            f"{row.name:<{width}}  {row.checkpointed_regions:>7}  {format_bytes(row.peak_bytes):>14}  "
+            f"{row.peak_phase.value:<14}  {row.overhead:>7.1%}{change}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""Hand-made schedules (seed threads 000, 001, 003) on synthetic chains: their shapes and their peaks."""
+
+from __future__ import annotations
+
+import pytest
+from synthetic_graphs import chain_graph
+
+from planner.ir import RegionPolicy, Schedule
+from planner.simulate import simulate
+from planner.whatif import compare, each_node, equal_segments, render_comparison, whole_model
+
+GRAPH = chain_graph([8] * 12)
+BODY = len(GRAPH.nodes) - 1  # the loss node after the model cannot be checkpointed
+
+
+def spans(schedule: Schedule) -> list[tuple[int, int, str]]:
+    return [(region.start, region.stop, region.policy.value) for region in schedule.regions]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 12, 40])
+def test_equal_segments_tile_the_model_and_store_the_last_segment_and_the_loss(count: int) -> None:
+    schedule = equal_segments(GRAPH, count)
+    simulate(GRAPH, schedule)  # validates the tiling
+    checkpointed = schedule.checkpointed
+    assert len(checkpointed) == min(count, BODY) - 1
+    assert all(region.stop <= BODY for region in checkpointed)
+    sizes = {region.stop - region.start for region in checkpointed}
+    assert not sizes or max(sizes) - min(sizes) <= 1, sizes
+    assert schedule.regions[-1].policy is RegionPolicy.STORE and schedule.regions[-1].stop == len(GRAPH.nodes)
+
+
+def test_each_node_and_whole_model_shapes() -> None:
+    assert spans(each_node(GRAPH)) == [(i, i + 1, "checkpoint") for i in range(BODY)] + [
+        (BODY, BODY + 1, "store")
+    ]
+    assert spans(whole_model(GRAPH)) == [(0, BODY, "checkpoint"), (BODY, BODY + 1, "store")]
+    with pytest.raises(ValueError, match="positive number of segments, got 0"):
+        equal_segments(GRAPH, 0)
+
+
+def test_more_segments_have_a_sweet_spot_and_single_ops_or_the_whole_model_save_nothing() -> None:
+    peaks = {count: simulate(GRAPH, equal_segments(GRAPH, count)).peak_bytes for count in (1, 2, 4, 12)}
+    baseline = peaks[1]
+    assert peaks[4] < peaks[2] < baseline, peaks  # seed 000: more segments help ...
+    assert peaks[12] > peaks[4], peaks  # ... up to a point, then memory goes up again
+    assert simulate(GRAPH, each_node(GRAPH)).peak_bytes >= baseline  # seed 001
+    assert simulate(GRAPH, whole_model(GRAPH)).peak_bytes >= baseline  # seed 003
+
+
+def test_comparison_rows_are_the_simulated_figures() -> None:
+    schedules = {"none": equal_segments(GRAPH, 1), "four": equal_segments(GRAPH, 4)}
+    rows = compare(GRAPH, schedules)
+    for row, schedule in zip(rows, schedules.values(), strict=True):
+        result = simulate(GRAPH, schedule)
+        assert (row.peak_bytes, row.peak_phase, row.overhead) == (
+            result.peak_bytes,
+            result.peak_phase,
+            result.overhead,
+        )
+    table = render_comparison(rows, baseline_bytes=rows[0].peak_bytes).splitlines()
+    assert table[0].split()[:3] == ["schedule", "regions", "predicted"]
+    assert table[2].startswith("four") and "(-" in table[2]

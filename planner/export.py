@@ -20,7 +20,7 @@ from planner.naming import describe_region, is_module_aligned, module_cover, pyt
 if TYPE_CHECKING:
     from planner.plan import Plan
 
-__all__ = ["hf_kwargs", "region_call", "torch_snippet"]
+__all__ = ["hf_kwargs", "per_block_container", "region_call", "torch_snippet"]
 
 
 def _blocks_of(graph: ActivationGraph, parent: str) -> set[int]:
@@ -33,6 +33,20 @@ def _blocks_of(graph: ActivationGraph, parent: str) -> set[int]:
         if head.isdigit():
             numbers.add(int(head))
     return numbers
+
+
+def per_block_container(plan: Plan) -> str | None:
+    """The container whose every block the plan checkpoints on its own (and nothing else), if any."""
+    graph, regions = plan.graph, plan.schedule.checkpointed
+    runs = [sibling_run(module_cover(graph, region)) for region in regions]
+    single_blocks = [run for run in runs if run is not None and run.first == run.last]
+    parents = {run.parent for run in single_blocks}
+    if not regions or len(single_blocks) != len(regions) or len(parents) != 1:
+        return None
+    parent = parents.pop()
+    if {run.first for run in single_blocks} != _blocks_of(graph, parent):
+        return None
+    return parent if all(is_module_aligned(graph, region) for region in regions) else None
 
 
 def hf_kwargs(plan: Plan) -> dict[str, Any]:
@@ -48,14 +62,8 @@ def hf_kwargs(plan: Plan) -> dict[str, Any]:
             "the plan checkpoints nothing: do not call gradient_checkpointing_enable (the model fits "
             f"the budget of {format_bytes(plan.budget_bytes)} as it is)"
         )
-    runs = [sibling_run(module_cover(graph, region)) for region in regions]
-    single_blocks = [run for run in runs if run is not None and run.first == run.last]
-    parents = {run.parent for run in single_blocks}
-    if len(single_blocks) == len(regions) and len(parents) == 1:
-        parent = parents.pop()
-        chosen = {run.first for run in single_blocks}
-        if chosen == _blocks_of(graph, parent) and all(is_module_aligned(graph, r) for r in regions):
-            return {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    if per_block_container(plan) is not None:
+        return {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
     described = "; ".join(describe_region(graph, region) for region in regions)
     raise ValueError(
         "gradient_checkpointing_enable checkpoints every layer on its own, but this plan checkpoints "
@@ -178,6 +186,18 @@ def torch_snippet(plan: Plan) -> str:
     regions = plan.schedule.checkpointed
     if not regions:
         return "\n".join([*header[:1], "# The plan checkpoints nothing: leave the forward as it is."])
+    container = per_block_container(plan)
+    if container is not None:
+        return "\n".join(
+            [
+                *header,
+                "",
+                f"# every block of {container}, each in its own checkpoint (what Hugging Face's",
+                "# gradient_checkpointing_enable does); replace the loop over the blocks with:",
+                f"for block in {python_path(container)}:",
+                "    x = checkpoint(block, x, use_reentrant=False)",
+            ]
+        )
     sequential = _sequential_forward(plan)
     if sequential is not None:
         return "\n".join([header[0], *header[5:], "", *sequential])

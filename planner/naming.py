@@ -5,8 +5,8 @@ the modules they wrote (`blocks.3`, `layers.0 .. layers.2`), and code that appli
 needs module names it can call. A region's *cover* is the smallest set of modules that owns exactly
 the region's nodes: a module enters the cover only when every graph node inside it is inside the
 region, and is lifted to its parent while the parent's nodes are all inside the region too. Nodes of
-functional ops (`torch.relu(x)`, `x + y`) have no module; they never block a lift, and a region that
-holds any of them is not *module-aligned* (no module call reproduces it).
+functional ops (`torch.relu(x)`, `x + y`) have no module; they never block a lift. A region is
+*module-aligned* when calling its cover's modules reproduces it (see NOTE [functional ops]).
 
 Torch-free, like everything that reads an `ActivationGraph`.
 """
@@ -57,9 +57,31 @@ def module_cover(graph: ActivationGraph, region: Region) -> tuple[str, ...]:
     return tuple(cover)
 
 
+def _owner(path: str, cover: tuple[str, ...]) -> str | None:
+    return next((module for module in cover if _inside(path, module)), None)
+
+
 def is_module_aligned(graph: ActivationGraph, region: Region) -> bool:
-    """True when every node of `region` belongs to a module, so module calls reproduce the region."""
-    return all(node.module_path for node in graph.nodes[region.start : region.stop])
+    """True when calling the cover's modules reproduces `region`'s memory (see NOTE [functional ops]).
+
+    NOTE [functional ops]: a node without a module runs inside a module's forward when the module
+    nodes just before and after it (anywhere in the graph) belong to the same cover module: a forward
+    is one contiguous call. Otherwise it may run in the parent's forward, between module calls; that
+    is harmless when it saves nothing for backward (an addition, a view), and changes what the
+    checkpoint keeps when it saves something (a functional relu saves its output).
+    """
+    cover = module_cover(graph, region)
+    paths = [node.module_path for node in graph.nodes]
+    for index in range(region.start, region.stop):
+        node = graph.nodes[index]
+        if node.module_path or not node.saves_anything:
+            continue
+        before = next((paths[i] for i in range(index - 1, -1, -1) if paths[i]), "")
+        after = next((paths[i] for i in range(index + 1, len(paths)) if paths[i]), "")
+        owner = _owner(before, cover) if before else None
+        if owner is None or owner != (_owner(after, cover) if after else None):
+            return False
+    return True
 
 
 @dataclass(frozen=True)

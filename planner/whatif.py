@@ -8,7 +8,9 @@ graph and simulating them shows why, in the same numbers and the same report as 
 - `equal_segments(graph, k)`: k segments of equal node count, all but the last checkpointed, as
   `checkpoint_sequential(model, k, x)` splits an `nn.Sequential`;
 - `each_node(graph)`: every operation in its own checkpoint, as seed 001 wrote it;
-- `whole_model(graph)`: one checkpoint around the whole forward, as `checkpoint_wrapper(model)` does.
+- `whole_model(graph)`: one checkpoint around the whole forward, as `checkpoint_wrapper(model)` does;
+- `each_block(graph, "blocks")`: every block of a ModuleList/Sequential in a checkpoint of its own, as
+  Hugging Face's `gradient_checkpointing_enable()` does (the usual "per-block" baseline).
 
 Nodes that cannot be checkpointed (the loss) are stored, as in the real code. Torch-free.
 """
@@ -22,7 +24,16 @@ from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
 from planner.simulate import simulate
 
-__all__ = ["WhatIf", "compare", "each_node", "equal_segments", "render_comparison", "whole_model"]
+__all__ = [
+    "WhatIf",
+    "compare",
+    "each_block",
+    "each_node",
+    "equal_segments",
+    "numbered_containers",
+    "render_comparison",
+    "whole_model",
+]
 
 
 def _region(graph: ActivationGraph, start: int, stop: int, *, checkpoint: bool) -> Region:
@@ -78,6 +89,65 @@ def whole_model(graph: ActivationGraph) -> Schedule:
     if end < len(graph.nodes):
         regions.append(Region(end, len(graph.nodes), RegionPolicy.STORE))
     return Schedule(regions=_merged(regions), solver="whole model checkpointed")
+
+
+def numbered_containers(graph: ActivationGraph) -> list[str]:
+    """Modules with numbered children in the graph (`blocks` for `blocks.0`, `blocks.1`, ...)."""
+    found: dict[str, None] = {}
+    for node in graph.nodes:
+        parts = node.module_path.split(".") if node.module_path else []
+        for depth, part in enumerate(parts):
+            if part.isdigit():
+                found.setdefault(".".join(parts[:depth]), None)
+    return list(found)
+
+
+def _block_spans(graph: ActivationGraph, container: str) -> list[tuple[int, int]]:
+    """[start, stop) of each block: its first node up to the next node of another module.
+
+    Functional ops at a block's end (the residual addition) have no module and belong to the block.
+    """
+    prefix = f"{container}." if container else ""
+    first: dict[int, int] = {}
+    owner: list[int | None] = []
+    for index, node in enumerate(graph.nodes):
+        rest = node.module_path[len(prefix) :] if node.module_path.startswith(prefix) else ""
+        head = rest.split(".")[0]
+        number = int(head) if head.isdigit() and node.module_path else None
+        owner.append(number)
+        if number is not None:
+            first.setdefault(number, index)
+    spans = []
+    for number, start in sorted(first.items(), key=lambda item: item[1]):
+        stop = start + 1
+        while (
+            stop < len(graph.nodes)
+            and graph.nodes[stop].checkpointable
+            and (owner[stop] == number or not graph.nodes[stop].module_path)
+        ):
+            stop += 1
+        spans.append((start, stop))
+    return spans
+
+
+def each_block(graph: ActivationGraph, container: str) -> Schedule:
+    """Every numbered child of `container` in a checkpoint of its own (what Hugging Face does)."""
+    spans = _block_spans(graph, container)
+    if not spans:
+        raise ValueError(
+            f"no numbered children of {container!r} in the graph; containers with numbered children: "
+            f"{numbered_containers(graph) or 'none'}"
+        )
+    regions: list[Region] = []
+    position = 0
+    for start, stop in spans:
+        if start > position:
+            regions.append(Region(position, start, RegionPolicy.STORE))
+        regions.append(_region(graph, start, stop, checkpoint=True))
+        position = stop
+    if position < len(graph.nodes):
+        regions.append(Region(position, len(graph.nodes), RegionPolicy.STORE))
+    return Schedule(regions=_merged(regions), solver=f"each block of {container or 'the model'}")
 
 
 @dataclass(frozen=True)

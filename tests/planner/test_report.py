@@ -12,7 +12,7 @@ from synthetic_graphs import MIB, chain_graph, static_bytes
 
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
-from planner.naming import describe_region, module_cover, python_path, sibling_run
+from planner.naming import describe_region, is_module_aligned, module_cover, python_path, sibling_run
 from planner.plan import Plan
 from planner.report import (
     COMPONENT_LABELS,
@@ -238,3 +238,16 @@ def test_the_report_survives_a_json_round_trip() -> None:
     graph = chain_graph(SIZES_MIB)
     plan = plan_of(graph, schedule_of(graph, (1, 4)))
     assert Plan.from_dict(json.loads(plan.to_json())).summary() == plan.summary()
+
+
+def test_a_functional_op_that_saves_between_modules_breaks_module_alignment() -> None:
+    graph = chain_graph(SIZES_MIB)
+    relu = dataclasses.replace(graph.nodes[2], module_path="", op="relu")  # saves, like F.relu
+    add = dataclasses.replace(graph.nodes[2], module_path="", op="add", saves=(), saves_anything=False)
+    region = Region(1, 4, RegionPolicy.CHECKPOINT)
+    for node, aligned in ((relu, False), (add, True)):
+        changed = dataclasses.replace(graph, nodes=(*graph.nodes[:2], node, *graph.nodes[3:]))
+        assert is_module_aligned(changed, region) is aligned, node.op
+    changed = dataclasses.replace(graph, nodes=(*graph.nodes[:2], relu, *graph.nodes[3:]))
+    snippet = plan_of(changed, schedule_of(changed, (1, 4))).to_torch_snippet()
+    assert "def region_1(x):" in snippet and "from graph node n1 to n3" in snippet, snippet

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from synthetic_graphs import chain_graph
 
 from planner.ir import RegionPolicy, Schedule
+from planner.plan import Plan
 from planner.simulate import simulate
-from planner.whatif import compare, each_node, equal_segments, render_comparison, whole_model
+from planner.whatif import (
+    compare,
+    each_block,
+    each_node,
+    equal_segments,
+    numbered_containers,
+    render_comparison,
+    whole_model,
+)
 
 GRAPH = chain_graph([8] * 12)
 BODY = len(GRAPH.nodes) - 1  # the loss node after the model cannot be checkpointed
@@ -60,3 +71,36 @@ def test_comparison_rows_are_the_simulated_figures() -> None:
     table = render_comparison(rows, baseline_bytes=rows[0].peak_bytes).splitlines()
     assert table[0].split()[:3] == ["schedule", "regions", "predicted"]
     assert table[2].startswith("four") and "(-" in table[2]
+
+
+def blocks_graph():  # type: ignore[no-untyped-def]
+    """Three blocks of two module ops each, then a residual addition that saves nothing; then the loss."""
+    graph = chain_graph([8] * 9)
+    nodes = []
+    for index, node in enumerate(graph.nodes[:-1]):
+        block, position = divmod(index, 3)
+        if position == 2:
+            nodes.append(dataclasses.replace(node, module_path="", saves=(), saves_anything=False))
+        else:
+            nodes.append(dataclasses.replace(node, module_path=f"blocks.{block}.op{position}"))
+    return dataclasses.replace(graph, nodes=(*nodes, graph.nodes[-1]))
+
+
+def test_each_block_takes_the_trailing_functional_ops_and_equals_hugging_face() -> None:
+    graph = blocks_graph()
+    schedule = each_block(graph, "blocks")
+    assert spans(schedule) == [
+        (0, 3, "checkpoint"),
+        (3, 6, "checkpoint"),
+        (6, 9, "checkpoint"),
+        (9, 10, "store"),
+    ]
+    plan = Plan(graph=graph, schedule=schedule, budget_bytes=2**40, min_peak_bytes=0)
+    assert plan.to_hf_kwargs() == {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    assert (
+        "for block in self.blocks:\n    x = checkpoint(block, x, use_reentrant=False)"
+        in plan.to_torch_snippet()
+    )
+    assert numbered_containers(graph) == ["blocks"]
+    with pytest.raises(ValueError, match=r"no numbered children of 'layers'.*\['blocks'\]"):
+        each_block(graph, "layers")

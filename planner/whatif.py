@@ -17,6 +17,7 @@ Nodes that cannot be checkpointed (the loss) are stored, as in the real code. To
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -26,10 +27,12 @@ from planner.simulate import simulate
 
 __all__ = [
     "WhatIf",
+    "baselines",
     "compare",
     "each_block",
     "each_node",
     "equal_segments",
+    "main_container",
     "numbered_containers",
     "render_comparison",
     "whole_model",
@@ -148,6 +151,34 @@ def each_block(graph: ActivationGraph, container: str) -> Schedule:
     if position < len(graph.nodes):
         regions.append(Region(position, len(graph.nodes), RegionPolicy.STORE))
     return Schedule(regions=_merged(regions), solver=f"each block of {container or 'the model'}")
+
+
+def main_container(graph: ActivationGraph) -> str | None:
+    """The model's stack of repeated blocks (`blocks`, `layers`), or None when it has none.
+
+    A stack is a numbered container of two or more blocks that run the same sequence of operations,
+    more than one each; of several, the one with the most nodes.
+    """
+    sizes: dict[str, int] = {}
+    for container in numbered_containers(graph):
+        spans = _block_spans(graph, container)
+        shapes = {tuple(node.op for node in graph.nodes[start:stop]) for start, stop in spans}
+        if len(spans) >= 2 and len(shapes) == 1 and len(shapes.pop()) > 1:
+            sizes[container] = sum(stop - start for start, stop in spans)
+    return max(sizes, key=lambda container: sizes[container]) if sizes else None
+
+
+def baselines(graph: ActivationGraph) -> dict[str, Schedule]:
+    """The schedules a plan is compared with: none, sqrt(n) equal segments, and every block if any."""
+    segments = max(1, round(math.sqrt(_body_end(graph))))
+    schedules = {
+        "no checkpointing": equal_segments(graph, 1),
+        f"sqrt(n) segments ({segments}, checkpoint_sequential)": equal_segments(graph, segments),
+    }
+    container = main_container(graph)
+    if container is not None:
+        schedules[f"every block of {container or 'the model'} (Hugging Face)"] = each_block(graph, container)
+    return schedules
 
 
 @dataclass(frozen=True)

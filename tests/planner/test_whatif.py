@@ -11,10 +11,12 @@ from planner.ir import RegionPolicy, Schedule
 from planner.plan import Plan
 from planner.simulate import simulate
 from planner.whatif import (
+    baselines,
     compare,
     each_block,
     each_node,
     equal_segments,
+    main_container,
     numbered_containers,
     render_comparison,
     whole_model,
@@ -104,3 +106,17 @@ def test_each_block_takes_the_trailing_functional_ops_and_equals_hugging_face() 
     assert numbered_containers(graph) == ["blocks"]
     with pytest.raises(ValueError, match=r"no numbered children of 'layers'.*\['blocks'\]"):
         each_block(graph, "layers")
+
+
+def test_baselines_name_the_block_stack_only_when_blocks_repeat() -> None:
+    graph = blocks_graph()
+    assert main_container(graph) == "blocks"
+    schedules = baselines(graph)
+    assert list(schedules) == [
+        "no checkpointing",
+        "sqrt(n) segments (3, checkpoint_sequential)",
+        "every block of blocks (Hugging Face)",
+    ]
+    assert schedules["no checkpointing"].checkpointed == ()
+    assert main_container(GRAPH) is None  # chain_graph's layers.k are single operations
+    assert len(baselines(GRAPH)) == 2

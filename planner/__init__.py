@@ -21,8 +21,8 @@ from planner.errors import InfeasibleBudget, PlannerError, UnsupportedModel
 from planner.plan import Plan
 
 if TYPE_CHECKING:
-    from planner.measure import MeasuredStep
-    from planner.optimize import measure, optimize, plan_graph
+    from planner.measurement import MeasuredStep
+    from planner.planning import measure, optimize, plan_graph
 
 __all__ = [
     "InfeasibleBudget",
@@ -36,10 +36,10 @@ __all__ = [
 ]
 
 _LAZY = {
-    "optimize": "planner.optimize",
-    "measure": "planner.optimize",
-    "plan_graph": "planner.optimize",
-    "MeasuredStep": "planner.measure",
+    "optimize": "planner.planning",
+    "measure": "planner.planning",
+    "plan_graph": "planner.planning",
+    "MeasuredStep": "planner.measurement",
 }
 
 

@@ -1,38 +1,120 @@
-"""Turns a model into a torch.fx GraphModule that the planner can profile and rewrite.
+"""Turns a model and an example call into a torch.fx GraphModule that the planner can profile and rewrite.
 
-`torch.fx.symbolic_trace` is tried first. It fails on Python control flow that depends on tensor values
-(`if x.mean() > 0:`). Rather than giving up, the capture finds the innermost submodule whose `forward`
-raised (from the traceback), keeps that submodule as one opaque node, and traces again. The planner then
-checkpoints such a submodule whole or not at all. When the failing code is the root's own forward,
-there is nothing left to keep opaque and `UnsupportedModel` names the construct.
+Users bring the models they train, and no single capture works on all of them, so capture is a chain
+that takes the finest level that works and records which one it took (`Capture.path`, shown in
+`Plan.capture`):
+
+1. `"fx"`: `torch.fx` symbolic tracing. Nodes are Python-level calls (a Linear, a `relu`, an `add`), the
+   graph is shape-generic, and non-tensor arguments of the example call (`None`, flags, numbers) are
+   specialised (`concrete_args`, checked by asserts in the graph). FX fails on Python control flow that
+   depends on tensor values; the innermost submodule whose `forward` raised is then kept as one opaque
+   node and tracing goes on (`"fx (opaque: block.3)"`; the planner checkpoints it whole or not at all).
+2. `"export"`: `torch.export.export(strict=False)`, when FX fails in the root's own forward. It traces
+   through what FX cannot (Hugging Face models' keyword inputs, `ModelOutput` dataclasses, decorators,
+   `*args`/`**kwargs`) down to ATen operators, keeping in-place ops and buffer updates as they run in
+   training. The unlifted graph fetches the model's own Parameter and buffer objects, so gradients and
+   tied weights are the model's. It is specialised to the example call's structure and shapes: a call of
+   another shape raises a ValueError that says so (see `GraphCall`).
+3. When neither works, `UnsupportedModel` names the construct each level failed on and the workaround.
+
+Which inputs the graph takes is the job of `GraphCall`: the planned module is called like the model
+(`model(x, attention_mask=m)`), and the captured graph takes either the bound arguments in signature
+order (FX) or the flat tensors of the example call's structure (export).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import io
 import logging
 import traceback
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
+from torch.utils._pytree import TreeSpec, tree_flatten
 
 from planner.errors import UnsupportedModel
 
-__all__ = ["Capture", "capture"]
+__all__ = ["Capture", "CapturePath", "GraphCall", "capture"]
 
 log = logging.getLogger(__name__)
 
 MAX_OPAQUE_MODULES = 64
-"""A model with more untraceable submodules than this is better served by module-level planning."""
+"""A model with more untraceable submodules than this is better served by the export level."""
+
+EXPORT_GUARDS_MODULE = "_guards_fn"
+"""The shape-guard call that `ExportedProgram.module()` inserts; `GraphCall` checks shapes instead."""
+
+
+class CapturePath:
+    """The levels of the capture chain, finest first (the values `Capture.path` starts with)."""
+
+    FX = "fx"
+    EXPORT = "export"
+
+
+@dataclass(frozen=True)
+class GraphCall:
+    """Maps a call of the model, `model(*args, **kwargs)`, onto the captured graph's inputs.
+
+    With `example_spec` None (FX), the graph takes the bound arguments in signature order, defaults
+    filled in, so every call that binds to the forward's signature works. Otherwise (export) the graph
+    takes the flat leaves of `(args, kwargs)`, and a call must have the example's structure and tensor
+    shapes.
+    """
+
+    signature: inspect.Signature
+    example_spec: TreeSpec | None = None
+    example_shapes: tuple[tuple[int, ...] | None, ...] = ()
+
+    def graph_arguments(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The (args, kwargs) to call the captured GraphModule with for this call of the model."""
+        if self.example_spec is None:
+            return self._bound(args, kwargs), {}
+        self._check(args, kwargs)
+        return tuple(args), dict(kwargs)
+
+    def graph_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+        """The placeholder values of the captured graph (what an fx.Interpreter over it takes)."""
+        if self.example_spec is None:
+            return self._bound(args, kwargs)
+        return tuple(self._check(args, kwargs))
+
+    def _bound(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
+    def _check(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+        """The flat leaves of the call, after checking that it has the example's structure and shapes."""
+        leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+        shapes = tuple(tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves)
+        if spec != self.example_spec or shapes != self.example_shapes:
+            raise ValueError(
+                "this planned module was captured by torch.export for calls shaped like its example: "
+                f"structure {self.example_spec}, tensor shapes {self.example_shapes}; got structure {spec}, "
+                f"shapes {shapes}. Plan again with an example of this call (planner.optimize), or keep "
+                "batches the same size (DataLoader(drop_last=True))."
+            )
+        return leaves
 
 
 @dataclass(frozen=True)
 class Capture:
-    """A traced model and the path that produced it."""
+    """A traced model, the path that produced it, and how its example call maps onto the graph."""
 
     graph_module: fx.GraphModule
     path: str
     opaque_modules: tuple[str, ...]
+    call: GraphCall
+    inputs: tuple[Any, ...] = ()
+    """The example call as the graph takes it (`GraphCall.graph_inputs` of the example)."""
 
 
 class _OpaqueTracer(fx.Tracer):
@@ -57,25 +139,170 @@ def _failing_module(model: torch.nn.Module, error: BaseException) -> str | None:
     return innermost
 
 
-def capture(model: torch.nn.Module) -> Capture:
-    """Trace `model` with FX, keeping untraceable submodules opaque; raise UnsupportedModel if impossible."""
+def _describe(error: BaseException) -> str:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first_line}"
+
+
+def _concrete_arguments(signature: inspect.Signature, example: inspect.BoundArguments) -> dict[str, Any]:
+    """Arguments FX should specialise: every non-tensor value of the example call, defaults included."""
+    example = inspect.BoundArguments(example.signature, example.arguments.copy())
+    example.apply_defaults()
+    return {
+        name: value
+        for name, value in example.arguments.items()
+        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0])
+        and signature.parameters[name].kind
+        not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    }
+
+
+def _capture_fx(
+    model: torch.nn.Module, signature: inspect.Signature, example: inspect.BoundArguments | None
+) -> Capture:
+    """Trace with FX, keeping untraceable submodules opaque; raise UnsupportedModel if the root fails."""
+    variadic = [
+        p.name
+        for p in signature.parameters.values()
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if variadic:
+        raise UnsupportedModel(
+            f"torch.fx cannot bind the forward of {type(model).__name__}: it takes variadic parameters "
+            f"{variadic}."
+        )
+    concrete = _concrete_arguments(signature, example) if example is not None else None
     opaque: set[str] = set()
     while True:
         tracer = _OpaqueTracer(opaque)
         try:
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, concrete_args=concrete)
         except Exception as error:  # noqa: BLE001 - any tracing failure is a reason to try a coarser level
             failing = _failing_module(model, error)
             if failing is None or failing == "" or failing in opaque or len(opaque) >= MAX_OPAQUE_MODULES:
                 where = f"submodule {failing!r}" if failing else f"the forward of {type(model).__name__}"
-                raise UnsupportedModel(
-                    f"torch.fx cannot trace {where}: {type(error).__name__}: {error}. "
-                    "Move data-dependent control flow (if/for on tensor values) into a submodule, "
-                    "which the planner then treats as one opaque node, or replace it with torch.where."
-                ) from error
+                raise UnsupportedModel(f"torch.fx cannot trace {where}: {_describe(error)}") from error
             log.info("fx could not trace %s (%s); keeping it opaque", failing, type(error).__name__)
             opaque.add(failing)
             continue
         graph_module = fx.GraphModule(tracer.root, graph, type(model).__name__)
-        path = "fx" if not opaque else f"fx (opaque: {', '.join(sorted(opaque))})"
-        return Capture(graph_module=graph_module, path=path, opaque_modules=tuple(sorted(opaque)))
+        path = CapturePath.FX if not opaque else f"{CapturePath.FX} (opaque: {', '.join(sorted(opaque))})"
+        call = GraphCall(signature=signature)
+        inputs = call.graph_inputs(example.args, example.kwargs) if example is not None else ()
+        return Capture(
+            graph_module=graph_module,
+            path=path,
+            opaque_modules=tuple(sorted(opaque)),
+            call=call,
+            inputs=inputs,
+        )
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """torch.export prints the partial graph to stderr when it fails; a fallback is no error, so log it."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            yield
+    finally:
+        if stderr.getvalue():
+            log.debug("torch.export wrote to stderr:\n%s", stderr.getvalue())
+
+
+def _check_shared_state(graph_module: fx.GraphModule, model: torch.nn.Module) -> None:
+    """The exported graph must fetch the model's own Parameters and buffers (gradients, tied weights)."""
+    own = {id(t) for t in (*model.parameters(), *model.buffers())}
+    foreign = [
+        name
+        for name, tensor in (*graph_module.named_parameters(), *graph_module.named_buffers())
+        if id(tensor) not in own
+    ]
+    if foreign:
+        raise UnsupportedModel(
+            f"torch.export gave {type(model).__name__} copies of {foreign[:4]} instead of the model's own "
+            "tensors; gradients would not reach the model."
+        )
+
+
+def _drop_export_guards(graph_module: fx.GraphModule) -> None:
+    for node in list(graph_module.graph.nodes):
+        if node.op == "call_module" and node.target == EXPORT_GUARDS_MODULE and not node.users:
+            graph_module.graph.erase_node(node)
+    graph_module.recompile()
+
+
+def _capture_export(
+    model: torch.nn.Module, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Capture:
+    """Capture with torch.export (non-strict, training IR), specialised to the example call."""
+    try:
+        with _quiet_export():
+            exported = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as error:  # noqa: BLE001 - any export failure is a reason to try a coarser level
+        raise UnsupportedModel(
+            f"torch.export cannot trace {type(model).__name__}: {_describe(error)}"
+        ) from error
+    graph_module = exported.module()
+    assert isinstance(graph_module, fx.GraphModule)
+    _check_shared_state(graph_module, model)
+    _drop_export_guards(graph_module)
+    leaves, spec = tree_flatten((args, kwargs))
+    call = GraphCall(
+        signature=signature,
+        example_spec=spec,
+        example_shapes=tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in leaves),
+    )
+    return Capture(
+        graph_module=graph_module,
+        path=CapturePath.EXPORT,
+        opaque_modules=(),
+        call=call,
+        inputs=call.graph_inputs(args, kwargs),
+    )
+
+
+def _bind_example(
+    model: torch.nn.Module, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> inspect.BoundArguments:
+    try:
+        return signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(
+            f"the example inputs do not fit {type(model).__name__}.forward{signature}: {error}. Pass the "
+            "forward's positional arguments as example_inputs and its keyword arguments as example_kwargs."
+        ) from error
+
+
+def capture(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> Capture:
+    """Capture `model` at the finest level that works for its example call; see the module docstring.
+
+    Without an example call only FX is tried (torch.export needs example tensors).
+    Raises UnsupportedModel naming each level's failure when no level works.
+    """
+    signature = inspect.signature(model.forward)
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    has_example = bool(args or kwargs)
+    example = _bind_example(model, signature, args, kwargs) if has_example else None
+    failures: list[UnsupportedModel] = []
+    try:
+        return _capture_fx(model, signature, example)
+    except UnsupportedModel as error:
+        log.info("%s; trying torch.export", error)
+        failures.append(error)
+    if has_example:
+        try:
+            return _capture_export(model, signature, args, kwargs)
+        except UnsupportedModel as error:
+            failures.append(error)
+    reasons = "; ".join(str(failure) for failure in failures)
+    hint = "" if has_example else " (torch.export was not tried: it needs example inputs)"
+    raise UnsupportedModel(
+        f"cannot capture {type(model).__name__}: {reasons}{hint}. Move data-dependent control flow "
+        "(if/for on tensor values) into a submodule, which the planner then treats as one opaque node, "
+        "or replace it with torch.where / torch.cond."
+    ) from failures[-1]

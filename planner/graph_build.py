@@ -31,7 +31,7 @@ from torch import fx
 
 from planner.capture import Capture
 from planner.ir import ActivationGraph, Node, Phase, StaticBytes
-from planner.measure import LiveStorageTracker, OptimizerSpec, make_optimizer, tensors_in
+from planner.measurement import LiveStorageTracker, OptimizerSpec, make_optimizer, tensors_in
 from planner.simulate import simulate, store_everything
 
 __all__ = ["build_activation_graph", "LOSS_NODE"]
@@ -72,6 +72,7 @@ class _NodeRecord:
     forward_peak_bytes: int = 0
     backward_peak_bytes: int | None = None
     parameter_gradient_bytes: int = 0
+    allocated_bytes: int = 0
     random: bool = False
     stateful: bool = False
     in_place: bool = False
@@ -87,6 +88,7 @@ class _ProfilingTracker(LiveStorageTracker):
         self.names: dict[int, str] = {}
         self.storage_bytes: dict[str, int] = {}
         self.new_since_mark: list[weakref.ref[torch.UntypedStorage]] = []
+        self.allocated_since_mark_bytes = 0
 
     def _register(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -94,6 +96,7 @@ class _ProfilingTracker(LiveStorageTracker):
         super()._register(tensor)
         if fresh:
             self.new_since_mark.append(weakref.ref(storage))
+            self.allocated_since_mark_bytes += storage.nbytes()
 
     def name_of(self, tensor: torch.Tensor, *, create: bool) -> str | None:
         """Name of an activation storage (None for static ones); `create` names a new storage."""
@@ -114,6 +117,7 @@ class _ProfilingTracker(LiveStorageTracker):
         """Storages registered since the last call that are still alive."""
         alive = {id(storage) for ref in self.new_since_mark if (storage := ref()) is not None}
         self.new_since_mark = []
+        self.allocated_since_mark_bytes = 0
         return alive
 
 
@@ -122,9 +126,11 @@ def _describe(node: fx.Node, graph_module: fx.GraphModule) -> tuple[str, str]:
     if node.op == "call_module":
         module = graph_module.get_submodule(str(node.target))
         return f"{type(module).__name__}", str(node.target)
+    module_stack = node.meta.get("nn_module_stack") or {}
+    module_path = str(list(module_stack.values())[-1][0]) if module_stack else ""
     if node.op == "call_function":
-        return getattr(node.target, "__name__", str(node.target)), ""
-    return f".{node.target}()", ""
+        return getattr(node.target, "__name__", str(node.target)), module_path
+    return f".{node.target}()", module_path
 
 
 def _flags(node: fx.Node, graph_module: fx.GraphModule) -> dict[str, bool]:
@@ -170,6 +176,7 @@ class _ProfilingInterpreter(fx.Interpreter):
         tracker = self.tracker
         if tracker is not None:
             record.forward_peak_bytes = tracker.peak_bytes
+            record.allocated_bytes = tracker.allocated_since_mark_bytes
             fresh = tracker.fresh_storage_ids()
             for tensor in tensors_in(output):
                 if id(tensor.untyped_storage()) in fresh:
@@ -446,6 +453,7 @@ def _to_nodes(
                 forward_workspace_bytes=0,
                 backward_workspace_bytes=0,
                 parameter_gradient_bytes=record.parameter_gradient_bytes,
+                allocated_bytes=record.allocated_bytes,
                 random=record.random,
                 stateful=record.stateful,
                 in_place=record.in_place,

@@ -61,6 +61,9 @@ class Node:
     backward_workspace_bytes: int
     parameter_gradient_bytes: int = 0
     """Parameter (and input) gradient bytes that first appear during this node's backward."""
+    allocated_bytes: int = 0
+    """Every storage the node's operators allocate, freed inside the node or not: what a selective
+    checkpoint policy caches when it keeps this node (see NOTE [selective keeps] in simulate.py)."""
     random: bool = False
     stateful: bool = False
     in_place: bool = False
@@ -129,11 +132,16 @@ class RegionPolicy(Enum):
 
 @dataclass(frozen=True)
 class Region:
-    """Nodes `start` (inclusive) to `stop` (exclusive) in execution order, under one policy."""
+    """Nodes `start` (inclusive) to `stop` (exclusive) in execution order, under one policy.
+
+    In a CHECKPOINT region, `keep` lists nodes (by index) whose outputs are saved in forward and not
+    recomputed (a selective checkpoint policy): expensive matmuls kept, cheap pointwise ops replayed.
+    """
 
     start: int
     stop: int
     policy: RegionPolicy
+    keep: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,8 @@ class Schedule:
 
     regions: tuple[Region, ...]
     solver: str
+    gap: float = 0.0
+    """Proven optimality gap of the solver's answer within its plan space (0: optimal)."""
 
     @property
     def checkpointed(self) -> tuple[Region, ...]:

@@ -18,23 +18,26 @@ under `no_grad` it runs the model's own forward, since nothing is saved for back
 
 from __future__ import annotations
 
+import contextvars
 import copy
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from planner.ir import ActivationGraph, Schedule
+from planner.capture import GraphCall
+from planner.ir import ActivationGraph, Region, Schedule
 
 __all__ = ["CheckpointedRegion", "rewrite", "planned_graph_of"]
 
 SPLIT_ATTRIBUTE = "_planner_split"
 REGION_PREFIX = "checkpointed_region_"
 MODEL_FORWARD_ATTRIBUTE = "_planner_model_forward"
+CALL_ATTRIBUTE = "_planner_call"
 
 
 @contextmanager
@@ -49,22 +52,116 @@ def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
-class CheckpointedRegion(torch.nn.Module):
-    """Runs `body` under non-reentrant checkpointing with RNG and buffer state preserved."""
+_KEEPING: contextvars.ContextVar[bool] = contextvars.ContextVar("planner_keeping", default=False)
 
-    def __init__(self, body: torch.nn.Module) -> None:
+
+def _begin_keep() -> None:
+    """Marker placed before a kept node: its operators' outputs are saved (see NOTE [selective keeps])."""
+    _KEEPING.set(True)
+
+
+def _end_keep() -> None:
+    _KEEPING.set(False)
+
+
+ALIASING_OPERATORS = frozenset({torch.ops.aten._unsafe_view.default})
+"""Operators whose output shares its input's storage although their schema does not say so."""
+
+
+def _keep_policy(context: Any, operator: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Save what a kept node's operators allocate; replay views, which would pin their inputs if cached."""
+    aliasing = getattr(operator, "is_view", False) or operator in ALIASING_OPERATORS
+    return (
+        CheckpointPolicy.MUST_SAVE if _KEEPING.get() and not aliasing else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
+@contextmanager
+def _not_keeping() -> Iterator[None]:
+    """Start a forward or replay outside any kept node (an early-stopped replay may leave the flag set)."""
+    _KEEPING.set(False)
+    yield
+
+
+def _mark_kept_nodes(body: fx.GraphModule, keep_names: set[str]) -> None:
+    """Bracket each kept node of `body` with `_begin_keep()` / `_end_keep()` calls."""
+    for node in list(body.graph.nodes):
+        if node.name in keep_names:
+            with body.graph.inserting_before(node):
+                body.graph.call_function(_begin_keep)
+            with body.graph.inserting_after(node):
+                body.graph.call_function(_end_keep)
+    body.recompile()
+
+
+class CheckpointedRegion(torch.nn.Module):
+    """Runs `body` under non-reentrant checkpointing with RNG and buffer state preserved.
+
+    Nodes named in `keep_names` run under a selective checkpoint policy that saves their outputs in
+    forward, so the replay takes them from the cache instead of recomputing them.
+    """
+
+    def __init__(self, body: fx.GraphModule, keep_names: set[str] | None = None) -> None:
         super().__init__()
         self.body = body
         self.has_buffers = any(True for _ in body.buffers())
+        self.selective = bool(keep_names)
+        if keep_names:
+            _mark_kept_nodes(body, keep_names)
 
-    def _contexts(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
-        replay = _buffers_restored(self.body) if self.has_buffers else nullcontext()
-        return nullcontext(), replay
+    def _contexts(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+        forward: AbstractContextManager[Any] = nullcontext()
+        replay: AbstractContextManager[Any] = nullcontext()
+        if self.selective:
+            forward, replay = create_selective_checkpoint_contexts(_keep_policy)
+            forward, replay = _stacked(_not_keeping(), forward), _stacked(_not_keeping(), replay)
+        if self.has_buffers:
+            replay = _stacked(_buffers_restored(self.body), replay)
+        return forward, replay
 
     def forward(self, *args: Any) -> Any:
         return checkpoint(
             self.body, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts
         )
+
+
+@contextmanager
+def _stacked(*managers: AbstractContextManager[Any]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
+
+
+def _localize_attributes(graph: fx.Graph, partition: dict[fx.Node, int | None]) -> None:
+    """Give `partition` its own get_attr nodes for the parameters and buffers it uses.
+
+    A graph captured by torch.export fetches parameters and buffers with get_attr nodes outside any
+    region; fused as they are, they would become inputs of the checkpointed call. Fetched inside, they
+    become attributes of the region's body, the model's own tensor objects (so tied weights stay one
+    Parameter), and the buffers the region updates in place (BatchNorm statistics) are restored after
+    a replay, as for an FX-captured BatchNorm module.
+    """
+    first = min(partition, key=_position(graph))
+    local: dict[fx.Node, fx.Node] = {}
+    for node in list(partition):
+        for source in node.all_input_nodes:
+            if source.op != "get_attr":
+                continue
+            if source not in local:
+                with graph.inserting_before(first):
+                    local[source] = graph.get_attr(str(source.target))
+                local[source].meta = dict(source.meta)
+            node.replace_input_with(source, local[source])
+    for source, copy_node in local.items():
+        partition[copy_node] = None
+        if not source.users:
+            graph.erase_node(source)
+
+
+def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    return order.__getitem__
 
 
 def _split(graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Schedule) -> fx.GraphModule:
@@ -76,29 +173,46 @@ def _split(graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Sched
     """
     split = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph), type(graph_module).__name__)
     by_name = {node.name: node for node in split.graph.nodes}
-    partitions: list[dict[fx.Node, int | None]] = [
-        {by_name[node.name]: None for node in graph.nodes[region.start : region.stop] if node.name in by_name}
-        for region in schedule.checkpointed
-    ]
-    partitions = [partition for partition in partitions if partition]
-    fuse_by_partitions(split, partitions, prefix=REGION_PREFIX, always_return_tuple=True)
-    for number in range(len(partitions)):
+    fused: list[tuple[Region, dict[fx.Node, int | None]]] = []
+    for region in schedule.checkpointed:
+        nodes = graph.nodes[region.start : region.stop]
+        partition: dict[fx.Node, int | None] = {by_name[n.name]: None for n in nodes if n.name in by_name}
+        if partition:
+            _localize_attributes(split.graph, partition)
+            fused.append((region, partition))
+    fuse_by_partitions(
+        split, [partition for _, partition in fused], prefix=REGION_PREFIX, always_return_tuple=True
+    )
+    for number, (region, _) in enumerate(fused):
         name = f"{REGION_PREFIX}{number}"
-        setattr(split, name, CheckpointedRegion(getattr(split, name)))
+        keep_names = {graph.nodes[index].name for index in region.keep}
+        setattr(split, name, CheckpointedRegion(getattr(split, name), keep_names))
     split.recompile()
     return split
 
 
 def _planned_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if self.training and torch.is_grad_enabled():
+        call: GraphCall | None = getattr(self, CALL_ATTRIBUTE)
+        if call is not None:
+            args, kwargs = call.graph_arguments(args, kwargs)
         return getattr(self, SPLIT_ATTRIBUTE)(*args, **kwargs)
     return getattr(type(self), MODEL_FORWARD_ATTRIBUTE)(self, *args, **kwargs)
 
 
 def rewrite(
-    model: torch.nn.Module, graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Schedule
+    model: torch.nn.Module,
+    graph_module: fx.GraphModule,
+    graph: ActivationGraph,
+    schedule: Schedule,
+    *,
+    call: GraphCall | None = None,
 ) -> torch.nn.Module:
-    """A drop-in replacement for `model` that checkpoints as `schedule` says."""
+    """A drop-in replacement for `model` that checkpoints as `schedule` says.
+
+    `call` maps the model's calls onto the graph's inputs (`Capture.call`); without it the graph is
+    called with the model's arguments as they are.
+    """
     split = _split(graph_module, graph, schedule)
     planned_class = type(
         f"Planned{type(model).__name__}",
@@ -108,6 +222,7 @@ def rewrite(
     planned = copy.copy(model)
     planned.__class__ = planned_class
     object.__setattr__(planned, SPLIT_ATTRIBUTE, split)
+    object.__setattr__(planned, CALL_ATTRIBUTE, call)
     return planned
 
 

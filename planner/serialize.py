@@ -52,8 +52,14 @@ def graph_from_dict(data: dict[str, Any]) -> ActivationGraph:
 def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
     return {
         "solver": schedule.solver,
+        "gap": schedule.gap,
         "regions": [
-            {"start": region.start, "stop": region.stop, "policy": region.policy.value}
+            {
+                "start": region.start,
+                "stop": region.stop,
+                "policy": region.policy.value,
+                "keep": list(region.keep),
+            }
             for region in schedule.regions
         ],
     }
@@ -62,8 +68,14 @@ def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
 def schedule_from_dict(data: dict[str, Any]) -> Schedule:
     return Schedule(
         regions=tuple(
-            Region(int(raw["start"]), int(raw["stop"]), RegionPolicy(raw["policy"]))
+            Region(
+                int(raw["start"]),
+                int(raw["stop"]),
+                RegionPolicy(raw["policy"]),
+                tuple(int(index) for index in raw.get("keep", ())),
+            )
             for raw in data["regions"]
         ),
         solver=str(data["solver"]),
+        gap=float(data.get("gap", 0.0)),
     )

@@ -13,15 +13,23 @@ Rules (they mirror `torch.utils.checkpoint` with `use_reentrant=False`):
   inputs of a CHECKPOINT region are retained until the region's backward is done (checkpoint keeps them
   to replay the region). Tensors that nodes of a CHECKPOINT region save are not retained.
 - Backward runs in reverse execution order (autograd's order on one device: highest sequence number
-  first). At the first node of a CHECKPOINT region that saved anything, the region's forward is replayed
-  up to that node; everything the replay saves is alive at once and is freed node by node afterwards.
+  first). At the first node of a CHECKPOINT region that saved anything (the trigger), the region's
+  forward is replayed up to that node; everything the replay saves is alive at once and is freed node
+  by node afterwards.
 - On top of the activation memory, each backward node adds its measured residual and the parameter
   gradients produced so far (see NOTE [measured residuals] in ir.py).
+
+NOTE [selective keeps]: a node in a CHECKPOINT region's `keep` runs under a selective checkpoint policy
+that saves its operators' outputs (MUST_SAVE). Everything those operators allocate
+(`allocated_bytes`) is cached from its forward until the replay; the replay does not run the node
+but takes its outputs from the cache, so the node adds no workspace and no recompute time there.
+The part of the cache that is not the node's `creates` (operator outputs it used internally) is
+freed when the replay passes the node. Tests check this against measured peaks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from planner.ir import (
@@ -34,7 +42,19 @@ from planner.ir import (
     TraceStep,
 )
 
-__all__ = ["simulate", "store_everything", "region_inputs", "recompute_trigger"]
+__all__ = [
+    "Replay",
+    "cache_name",
+    "cached_storages",
+    "held_storages",
+    "last_reads",
+    "recompute_trigger",
+    "region_inputs",
+    "replay_region",
+    "simulate",
+    "storage_sizes",
+    "store_everything",
+]
 
 
 def store_everything(graph: ActivationGraph, solver: str = "none") -> Schedule:
@@ -57,6 +77,100 @@ def recompute_trigger(graph: ActivationGraph, region: Region) -> int | None:
     return None
 
 
+def cache_name(graph: ActivationGraph, index: int) -> str:
+    """Name of the pseudo-storage for what a kept node's cache holds beyond its `creates`."""
+    return f"{graph.nodes[index].name}#cache"
+
+
+def storage_sizes(graph: ActivationGraph) -> dict[str, int]:
+    """Bytes of every storage, plus each node's cache beyond its creates (for selective keeps)."""
+    sizes = dict(graph.storage_bytes)
+    for index, node in enumerate(graph.nodes):
+        created = sum(graph.storage_bytes[name] for name in node.creates)
+        sizes[cache_name(graph, index)] = max(0, node.allocated_bytes - created)
+    return sizes
+
+
+def last_reads(graph: ActivationGraph) -> dict[str, int]:
+    """Index of the last node that reads each storage in forward (its producer if none does)."""
+    last: dict[str, int] = {}
+    for index, node in enumerate(graph.nodes):
+        for name in node.creates:
+            last.setdefault(name, index)
+        for name in node.reads:
+            last[name] = index
+    return last
+
+
+def held_storages(graph: ActivationGraph, region: Region) -> dict[str, int]:
+    """Storages a region retains for backward -> index of the node after whose backward they go."""
+    held: dict[str, int] = {}
+    if region.policy is RegionPolicy.STORE:
+        for index in range(region.start, region.stop):
+            for name in graph.nodes[index].saves:
+                held[name] = min(index, held.get(name, index))
+    else:
+        held = {name: region.start for name in region_inputs(graph, region)}
+    return held
+
+
+def cached_storages(graph: ActivationGraph, region: Region) -> set[str]:
+    """What the selective policy of `region` caches from forward until its replay."""
+    cached: set[str] = set()
+    for index in region.keep:
+        cached.update(graph.nodes[index].creates)
+        cached.add(cache_name(graph, index))
+    return cached
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A checkpointed region's replay: live bytes at each replayed node, and what stays for backward."""
+
+    points_bytes: tuple[int, ...]
+    kept: dict[str, int]
+    recompute_ms: float
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.points_bytes, default=0)
+
+
+def replay_region(
+    graph: ActivationGraph, region: Region, trigger: int, last_read: dict[str, int], sizes: dict[str, int]
+) -> Replay:
+    """Replay `region` up to `trigger`: bytes the replay holds at each node (beyond what was live)."""
+    made = {name for node in graph.nodes[region.start : trigger + 1] for name in node.creates}
+    kept: dict[str, int] = {}
+    for index in range(region.start, trigger + 1):
+        for name in graph.nodes[index].saves:
+            if name in made:
+                kept[name] = min(index, kept.get(name, index))
+    keep = set(region.keep)
+    live = cached_storages(graph, region)
+    points: list[int] = []
+    recompute_ms = 0.0
+    for index in range(region.start, trigger + 1):
+        node = graph.nodes[index]
+        if index in keep:
+            points.append(_bytes(sizes, live))
+            live.discard(cache_name(graph, index))
+        else:
+            points.append(_bytes(sizes, live) + _bytes(sizes, node.creates) + node.forward_workspace_bytes)
+            live.update(node.creates)
+            recompute_ms += node.forward_ms
+        live = {
+            name
+            for name in live
+            if name in kept or name.endswith("#cache") or min(last_read.get(name, index), trigger) > index
+        }
+    return Replay(points_bytes=tuple(points), kept=kept, recompute_ms=recompute_ms)
+
+
+def _bytes(sizes: dict[str, int], names: Iterable[str]) -> int:
+    return sum(sizes[name.removesuffix("@replay")] for name in names)
+
+
 @dataclass
 class _Timeline:
     """Running peak and trace of a simulation."""
@@ -76,59 +190,6 @@ class _Timeline:
             self.peak_breakdown = dict(components)
 
 
-def _release_index(graph: ActivationGraph, schedule: Schedule) -> dict[str, int]:
-    """For each retained storage, the node after whose backward it is freed (the smallest holder)."""
-    release: dict[str, int] = {}
-
-    def hold(name: str, index: int) -> None:
-        release[name] = min(index, release.get(name, index))
-
-    for region in schedule.regions:
-        if region.policy is RegionPolicy.STORE:
-            for index in range(region.start, region.stop):
-                for name in graph.nodes[index].saves:
-                    hold(name, index)
-        else:
-            for name in region_inputs(graph, region):
-                hold(name, region.start)
-    return release
-
-
-def _last_reads(graph: ActivationGraph) -> dict[str, int]:
-    last: dict[str, int] = {}
-    for index, node in enumerate(graph.nodes):
-        for name in node.creates:
-            last.setdefault(name, index)
-        for name in node.reads:
-            last[name] = index
-    return last
-
-
-def _bytes(graph: ActivationGraph, names: Iterable[str]) -> int:
-    return sum(graph.storage_bytes[name] for name in names)
-
-
-def _replay_region(graph: ActivationGraph, region: Region, trigger: int) -> tuple[int, dict[str, int]]:
-    """Replay a checkpointed region's forward: (peak bytes of the replay, saved storage -> release index)."""
-    kept: dict[str, int] = {}
-    for index in range(region.start, trigger + 1):
-        for name in graph.nodes[index].saves:
-            kept[name] = min(index, kept.get(name, index))
-    made_inside = {name for node in graph.nodes[region.start : trigger + 1] for name in node.creates}
-    kept = {name: index for name, index in kept.items() if name in made_inside}
-    last_read = {name: index for name, index in _last_reads(graph).items() if name in made_inside}
-    live: set[str] = set()
-    peak_bytes = 0
-    for index in range(region.start, trigger + 1):
-        node = graph.nodes[index]
-        peak_bytes = max(
-            peak_bytes, _bytes(graph, live) + _bytes(graph, node.creates) + node.forward_workspace_bytes
-        )
-        live.update(node.creates)
-        live = {name for name in live if name in kept or min(last_read[name], trigger) > index}
-    return peak_bytes, kept
-
-
 def _static_components(graph: ActivationGraph) -> dict[str, int]:
     static = graph.static
     return {
@@ -139,7 +200,7 @@ def _static_components(graph: ActivationGraph) -> dict[str, int]:
     }
 
 
-def _validate(graph: ActivationGraph, regions: Sequence[Region]) -> None:
+def _validate(graph: ActivationGraph, regions: Iterable[Region]) -> None:
     position = 0
     for region in regions:
         assert region.start == position and region.stop > region.start, f"regions must tile: {regions}"
@@ -147,79 +208,84 @@ def _validate(graph: ActivationGraph, regions: Sequence[Region]) -> None:
         if region.policy is RegionPolicy.CHECKPOINT:
             blocked = [n.name for n in graph.nodes[region.start : region.stop] if not n.checkpointable]
             assert not blocked, f"region {region} checkpoints nodes that cannot be: {blocked}"
+        assert all(region.start <= index < region.stop for index in region.keep), f"keep outside {region}"
+        assert not region.keep or region.policy is RegionPolicy.CHECKPOINT, f"keep in a STORE region {region}"
     assert position == len(graph.nodes), f"regions cover {position} of {len(graph.nodes)} nodes"
+
+
+def _retention(graph: ActivationGraph, schedule: Schedule) -> tuple[dict[str, int], dict[str, int]]:
+    """(held storage -> release index, cached storage -> trigger of the replay that takes it)."""
+    held: dict[str, int] = {}
+    cached: dict[str, int] = {}
+    for region in schedule.regions:
+        for name, index in held_storages(graph, region).items():
+            held[name] = min(index, held.get(name, index))
+        trigger = recompute_trigger(graph, region) if region.policy is RegionPolicy.CHECKPOINT else None
+        if trigger is not None:
+            cached.update({name: trigger for name in cached_storages(graph, region)})
+    return held, cached
 
 
 def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
     """Predict peak memory, the phase that sets it, and recompute time of `schedule` on `graph`."""
     _validate(graph, schedule.regions)
+    sizes = storage_sizes(graph)
     static = _static_components(graph)
-    release = _release_index(graph, schedule)
-    last_read = _last_reads(graph)
+    held, cached = _retention(graph, schedule)
+    last_read = last_reads(graph)
     timeline = _Timeline()
     trace: list[TraceStep] = []
 
+    keep_of = {index: region for region in schedule.regions for index in region.keep}
     live: set[str] = set()
     for index, node in enumerate(graph.nodes):
-        running = _bytes(graph, live) + _bytes(graph, node.creates)
-        timeline.observe(
-            Phase.FORWARD,
-            node.name,
-            {**static, "activations": running, "workspace": node.forward_workspace_bytes},
-            trace,
-        )
+        running = _bytes(sizes, live) + _bytes(sizes, node.creates)
+        components = {**static, "activations": running, "workspace": node.forward_workspace_bytes}
+        timeline.observe(Phase.FORWARD, node.name, components, trace)
         live.update(node.creates)
-        live = {name for name in live if name in release or last_read[name] > index}
+        if index in keep_of:
+            live.add(cache_name(graph, index))
+        live = {name for name in live if name in held or name in cached or last_read.get(name, -1) > index}
 
-    triggers: dict[int, Region] = {}
-    recompute_ms = 0.0
-    for region in schedule.checkpointed:
-        trigger = recompute_trigger(graph, region)
-        if trigger is not None:
-            triggers[trigger] = region
-            recompute_ms += sum(node.forward_ms for node in graph.nodes[region.start : trigger + 1])
-
-    pending = {name: release[name] for name in live}
+    triggers = {
+        trigger: region
+        for region in schedule.checkpointed
+        if (trigger := recompute_trigger(graph, region)) is not None
+    }
+    pending = {name: held.get(name, -1) for name in live}
     gradient_bytes = 0
+    recompute_ms = 0.0
     for index in range(len(graph.nodes) - 1, -1, -1):
         node = graph.nodes[index]
         gradient_bytes += node.parameter_gradient_bytes
         base = {**static, "gradients": gradient_bytes, "workspace": node.backward_workspace_bytes}
         if index in triggers:
-            replay_peak_bytes, kept = _replay_region(graph, triggers[index], index)
-            timeline.observe(
-                Phase.RECOMPUTE,
-                node.name,
-                {**base, "activations": _pending_bytes(graph, pending), "recompute": replay_peak_bytes},
-                trace,
-            )
-            pending.update({f"{name}@replay": at for name, at in kept.items()})
-        timeline.observe(
-            Phase.BACKWARD, node.name, {**base, "activations": _pending_bytes(graph, pending)}, trace
-        )
+            region = triggers[index]
+            pending = {name: at for name, at in pending.items() if cached.get(name) != index}
+            replay = replay_region(graph, region, index, last_read, sizes)
+            recompute_ms += replay.recompute_ms
+            components = {**base, "activations": _bytes(sizes, pending), "recompute": replay.peak_bytes}
+            timeline.observe(Phase.RECOMPUTE, node.name, components, trace)
+            pending.update({f"{name}@replay": at for name, at in replay.kept.items()})
+        components = {**base, "activations": _bytes(sizes, pending)}
+        timeline.observe(Phase.BACKWARD, node.name, components, trace)
         pending = {name: at for name, at in pending.items() if at < index}
 
-    optimizer_components = {
-        **static,
-        "gradients": graph.static.gradient_bytes,
-        "workspace": graph.static.optimizer_step_workspace_bytes,
-    }
     if graph.optimizer != "none":
+        optimizer_components = {
+            **static,
+            "gradients": graph.static.gradient_bytes,
+            "workspace": graph.static.optimizer_step_workspace_bytes,
+        }
         timeline.observe(Phase.OPTIMIZER, "optimizer.step", optimizer_components, trace)
 
-    step_ms = sum(node.forward_ms + node.backward_ms for node in graph.nodes)
     assert timeline.peak_breakdown is not None
     return SimulationResult(
         peak_bytes=timeline.peak_bytes,
         peak_phase=timeline.peak_phase,
         peak_node=timeline.peak_node,
         recompute_ms=recompute_ms,
-        step_ms=step_ms,
+        step_ms=sum(node.forward_ms + node.backward_ms for node in graph.nodes),
         breakdown=timeline.peak_breakdown,
         trace=tuple(trace),
     )
-
-
-def _pending_bytes(graph: ActivationGraph, pending: dict[str, int]) -> int:
-    """Bytes of retained storages; replayed copies are named `<storage>@replay`."""
-    return sum(graph.storage_bytes[name.removesuffix("@replay")] for name in pending)

@@ -8,12 +8,17 @@ carrying the lowest peak any known schedule reaches. Registered solvers:
 - `none`: no checkpointing (the baseline every plan is compared with);
 - `chen`: sqrt(n) equal segments, all but the last checkpointed (what `checkpoint_sequential` does);
 - `dp`: least recompute over region boundaries at the graph's cuts (solvers/dp.py);
-- `auto`: the best solver for the graph; today that is `dp`.
+- `ilp`: CP-SAT over the same boundaries plus selective keeps inside checkpointed regions
+  (solvers/ilp.py), warm-started from `dp` and never returning a worse plan than `dp`'s;
+- `auto`: `ilp` while the model is small enough to solve in seconds, else `dp`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,10 +27,17 @@ from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule, Simulati
 from planner.simulate import simulate, store_everything
 from planner.solvers.chain import Chain, build_chain
 from planner.solvers.dp import CostTable, dp_schedule, min_peak_schedule, tabulate
+from planner.solvers.ilp import ilp_schedule
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SOLVERS", "Solver", "chen_schedule", "lowest_peak", "solve"]
 
 Solver = Callable[..., Schedule]
+ILP_TIME_LIMIT_S = 10.0
+AUTO_ILP_MAX_CUTS = 20
+AUTO_ILP_MAX_NODES = 2000
+"""Beyond these `auto` uses `dp`: the ILP's region table grows with cuts squared times region length."""
 MAX_TIGHTENING = 6
 """Times `dp` re-solves with a lower limit when the simulator finds its plan over budget."""
 
@@ -123,11 +135,47 @@ def solve_dp(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
     raise _infeasible(graph, budget_bytes)
 
 
+def solve_ilp(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
+    """CP-SAT with selective keeps, warm-started from `dp`; never worse than `dp`'s plan."""
+    dp_plan = solve_dp(graph, budget_bytes=budget_bytes)
+    dp_ms = simulate(graph, dp_plan).recompute_ms
+    started = time.perf_counter()
+    result = ilp_schedule(
+        _tables(graph).chain,
+        activation_budget_bytes=budget_bytes - graph.static.resident_bytes,
+        hint=dp_plan,
+        time_limit_s=ILP_TIME_LIMIT_S,
+    )
+    log.info(
+        "ilp solved in %.2f s: %s", time.perf_counter() - started, "no plan" if result is None else result
+    )
+    if result is not None:
+        simulated = simulate(graph, result.schedule)
+        if simulated.peak_bytes <= budget_bytes and simulated.recompute_ms <= dp_ms:
+            return dataclasses.replace(result.schedule, gap=result.gap)
+        log.info(
+            "ilp plan (peak %d of %d bytes, %.2f ms recompute) no better than dp's (%.2f ms); keeping dp's",
+            simulated.peak_bytes,
+            budget_bytes,
+            simulated.recompute_ms,
+            dp_ms,
+        )
+    return Schedule(regions=dp_plan.regions, solver="ilp", gap=float("nan"))
+
+
+def solve_auto(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
+    """`ilp` while its model stays small (cuts), else `dp`."""
+    if len(_tables(graph).chain.cuts) <= AUTO_ILP_MAX_CUTS and len(graph.nodes) <= AUTO_ILP_MAX_NODES:
+        return solve_ilp(graph, budget_bytes=budget_bytes)
+    return solve_dp(graph, budget_bytes=budget_bytes)
+
+
 SOLVERS: dict[str, Solver] = {
     "none": _fixed(store_everything),
     "chen": _fixed(chen_schedule),
     "dp": solve_dp,
-    "auto": solve_dp,
+    "ilp": solve_ilp,
+    "auto": solve_auto,
 }
 
 

@@ -20,10 +20,19 @@ solvers check their result with it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from planner.ir import ActivationGraph, Region, RegionPolicy
-from planner.simulate import recompute_trigger, region_inputs
+from planner.simulate import (
+    cache_name,
+    cached_storages,
+    held_storages,
+    recompute_trigger,
+    region_inputs,
+    replay_region,
+    storage_sizes,
+)
 
 __all__ = ["Chain", "RegionCost", "build_chain", "region_cost"]
 
@@ -35,8 +44,12 @@ MAX_CUTS = 96
 @dataclass(frozen=True)
 class RegionCost:
     charged_bytes: int
-    peak_bytes: int
+    points_bytes: tuple[int, ...]
     recompute_ms: float
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.points_bytes)
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,7 @@ class Chain:
     last_read: dict[str, int]
     gradient_bytes_from: tuple[int, ...]
     """Parameter-gradient bytes alive during backward of node i (produced by nodes i..n-1)."""
+    sizes: dict[str, int]
 
 
 def _producers(graph: ActivationGraph) -> dict[str, int]:
@@ -104,85 +118,103 @@ def build_chain(graph: ActivationGraph) -> Chain:
         producer=producer,
         last_read=last_read,
         gradient_bytes_from=tuple(gradient_bytes_from[: len(graph.nodes)]),
+        sizes=storage_sizes(graph),
     )
 
 
-def _bytes(chain: Chain, names: set[str]) -> int:
-    return sum(chain.graph.storage_bytes[name] for name in names)
+def _bytes(chain: Chain, names: Iterable[str]) -> int:
+    return sum(chain.sizes[name.removesuffix("@replay")] for name in names)
 
 
-def _held_by(chain: Chain, region: Region) -> dict[str, int]:
-    """Storages a region retains for backward -> index of the node after whose backward they go."""
-    held: dict[str, int] = {}
-    if region.policy is RegionPolicy.STORE:
-        for index in range(region.start, region.stop):
-            for name in chain.graph.nodes[index].saves:
-                held[name] = min(index, held.get(name, index))
-    else:
-        held = {name: region.start for name in region_inputs(chain.graph, region)}
-    return held
-
-
-def _forward_peak(chain: Chain, region: Region, inputs: set[str], held: dict[str, int]) -> int:
-    live = set(inputs)
-    peak_bytes = 0
-    for index in range(region.start, region.stop):
-        node = chain.graph.nodes[index]
-        peak_bytes = max(
-            peak_bytes, _bytes(chain, live) + _bytes(chain, set(node.creates)) + node.forward_workspace_bytes
-        )
-        live.update(node.creates)
-        live = {name for name in live if name in held or chain.last_read.get(name, -1) > index}
-    return peak_bytes
-
-
-def _replay_peak(chain: Chain, region: Region, trigger: int) -> tuple[int, dict[str, int]]:
+def _forward_points(chain: Chain, region: Region, inputs: set[str], retained: set[str]) -> list[int]:
     graph = chain.graph
-    made = {name for node in graph.nodes[region.start : trigger + 1] for name in node.creates}
-    kept: dict[str, int] = {}
-    for index in range(region.start, trigger + 1):
-        for name in graph.nodes[index].saves:
-            if name in made:
-                kept[name] = min(index, kept.get(name, index))
-    live: set[str] = set()
-    peak_bytes = 0
-    for index in range(region.start, trigger + 1):
+    keep = set(region.keep)
+    live = set(inputs)
+    points = []
+    for index in range(region.start, region.stop):
         node = graph.nodes[index]
-        peak_bytes = max(
-            peak_bytes, _bytes(chain, live) + _bytes(chain, set(node.creates)) + node.forward_workspace_bytes
-        )
+        points.append(_bytes(chain, live) + _bytes(chain, node.creates) + node.forward_workspace_bytes)
         live.update(node.creates)
-        live = {name for name in live if name in kept or min(chain.last_read[name], trigger) > index}
-    return peak_bytes, kept
+        if index in keep:
+            live.add(cache_name(graph, index))
+        live = {name for name in live if name in retained or chain.last_read.get(name, -1) > index}
+    return points
+
+
+def _backward_points(
+    chain: Chain, region: Region, held: dict[str, int], cached: set[str]
+) -> tuple[list[int], float]:
+    """Live bytes at the replay (if any) and at each backward node of the region, and recompute time."""
+    graph = chain.graph
+    trigger = recompute_trigger(graph, region) if region.policy is RegionPolicy.CHECKPOINT else None
+    pending = {**dict.fromkeys(cached, -1), **held}
+    points: list[int] = []
+    recompute_ms = 0.0
+    for index in range(region.stop - 1, region.start - 1, -1):
+        flowing = chain.gradient_bytes_from[index] + graph.nodes[index].backward_workspace_bytes
+        if index == trigger:
+            pending = {name: at for name, at in pending.items() if name not in cached}
+            replay = replay_region(graph, region, trigger, chain.last_read, chain.sizes)
+            points.extend(_bytes(chain, pending) + point + flowing for point in replay.points_bytes)
+            pending.update({f"{name}@replay": at for name, at in replay.kept.items()})
+            recompute_ms = replay.recompute_ms
+        points.append(_bytes(chain, pending) + flowing)
+        pending = {name: at for name, at in pending.items() if at < index}
+    return points, recompute_ms
 
 
 def region_cost(chain: Chain, region: Region, *, previous_stores: bool) -> RegionCost:
-    """Cost of `region` (between two cuts) when the region before it is STORE (`previous_stores`) or not."""
+    """Cost of `region` (between two cuts) when the region before it is STORE (`previous_stores`) or not.
+
+    Each point is the region's live bytes at one moment (forward nodes, replayed nodes, backward
+    nodes) on top of what earlier regions retain; the moments are the same for every `keep` set, so
+    costs of different keep sets can be compared point by point (the ILP relies on that).
+    """
     graph = chain.graph
     inputs = region_inputs(graph, region)
     before = graph.nodes[region.start - 1] if region.start > 0 else None
     already = inputs & set(before.saves) if (previous_stores and before is not None) else set()
-    held = {name: at for name, at in _held_by(chain, region).items() if name not in already}
-    forward_peak = _forward_peak(chain, region, inputs - already, held)
-
-    pending = dict(held)
-    backward_peak = 0
-    recompute_ms = 0.0
-    trigger = recompute_trigger(graph, region) if region.policy is RegionPolicy.CHECKPOINT else None
-    for index in range(region.stop - 1, region.start - 1, -1):
-        node = graph.nodes[index]
-        flowing = chain.gradient_bytes_from[index] + node.backward_workspace_bytes
-        retained = sum(graph.storage_bytes[name.removesuffix("@replay")] for name in pending)
-        if index == trigger:
-            replay_bytes, kept = _replay_peak(chain, region, trigger)
-            backward_peak = max(backward_peak, retained + replay_bytes + flowing)
-            pending.update({f"{name}@replay": at for name, at in kept.items()})
-            retained = sum(graph.storage_bytes[name.removesuffix("@replay")] for name in pending)
-            recompute_ms = sum(n.forward_ms for n in graph.nodes[region.start : trigger + 1])
-        backward_peak = max(backward_peak, retained + flowing)
-        pending = {name: at for name, at in pending.items() if at < index}
+    held = {name: at for name, at in held_storages(graph, region).items() if name not in already}
+    cached = cached_storages(graph, region)
+    forward = _forward_points(chain, region, inputs - already, set(held) | cached)
+    backward, recompute_ms = _backward_points(chain, region, held, cached)
     return RegionCost(
-        charged_bytes=_bytes(chain, set(held)),
-        peak_bytes=max(forward_peak, backward_peak),
+        charged_bytes=_bytes(chain, set(held) | cached),
+        points_bytes=tuple(forward + backward),
         recompute_ms=recompute_ms,
     )
+
+
+def keep_effect(chain: Chain, region: Region, index: int) -> tuple[tuple[int, ...], int]:
+    """Change of each `region_cost` point, and of the charged bytes, when node `index` is also kept.
+
+    Follows NOTE [selective keeps]: from the node's forward on, its outputs and cache stay until the
+    replay; the replay finds them there before reaching the node, and skips its workspace at it.
+    Equal to differencing `region_cost` with and without the keep (a test checks), but O(nodes).
+    """
+    graph = chain.graph
+    node = graph.nodes[index]
+    trigger = recompute_trigger(graph, region)
+    assert (
+        region.policy is RegionPolicy.CHECKPOINT and trigger is not None and region.start <= index <= trigger
+    )
+    cache_bytes = chain.sizes[cache_name(graph, index)]
+    created_bytes = _bytes(chain, node.creates)
+    forward = [
+        0
+        if step <= index
+        else cache_bytes + _bytes(chain, [s for s in node.creates if chain.last_read[s] < step])
+        for step in range(region.start, region.stop)
+    ]
+    backward: list[int] = []
+    for step in range(region.stop - 1, region.start - 1, -1):
+        if step == trigger:
+            for replayed in range(region.start, trigger + 1):
+                if replayed < index:
+                    backward.append(created_bytes + cache_bytes)
+                elif replayed == index:
+                    backward.append(cache_bytes - node.forward_workspace_bytes)
+                else:
+                    backward.append(0)
+        backward.append(created_bytes + cache_bytes if step > trigger else 0)
+    return tuple(forward + backward), created_bytes + cache_bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from planner.ir import ActivationGraph, Node, StaticBytes
@@ -79,3 +80,19 @@ def random_chain(rng: random.Random, length: int) -> ActivationGraph:
     sizes = [rng.randint(1, 8) for _ in range(length)]
     times = [rng.uniform(0.1, 5.0) for _ in range(length)]
     return chain_graph(sizes, forward_ms=times)
+
+
+def keepable_chain(rng: random.Random, length: int) -> ActivationGraph:
+    """A random chain whose nodes allocate (some beyond their outputs), so selective keeps matter."""
+    graph = random_chain(rng, length)
+    nodes = []
+    for node in graph.nodes:
+        if not node.checkpointable:
+            nodes.append(node)
+            continue
+        created = sum(graph.storage_bytes[name] for name in node.creates)
+        extra = rng.choice([0, 0, MIB // 2])
+        nodes.append(
+            dataclasses.replace(node, allocated_bytes=created + extra, forward_workspace_bytes=extra)
+        )
+    return dataclasses.replace(graph, nodes=tuple(nodes))

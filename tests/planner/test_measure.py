@@ -8,7 +8,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import planner
-from planner.measure import LiveStorageTracker, default_loss
+from planner.measurement import LiveStorageTracker, default_loss
 from planner.zoo import build_model
 
 

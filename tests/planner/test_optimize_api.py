@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import planner
+from planner.errors import format_bytes
 from planner.zoo import build_model
 
 
@@ -89,14 +90,9 @@ def test_plan_reports_and_round_trips_through_json(mlp) -> None:  # type: ignore
     assert plan.min_peak_bytes <= plan.predicted_peak_bytes <= budget < plan.baseline_peak_bytes
     assert 0 < plan.predicted_overhead < 1
     summary = plan.summary()
-    for text in (
-        "budget",
-        "predicted peak",
-        "predicted baseline",
-        "lowest achievable",
-        plan.regions[0].modules[0],
-    ):
-        assert text in summary
+    figures = (plan.budget_bytes, plan.predicted_peak_bytes, plan.baseline_peak_bytes, plan.min_peak_bytes)
+    for text in (*(format_bytes(size) for size in figures), "predicted", plan.regions[0].modules[0]):
+        assert text in summary, f"{text!r} missing from the summary:\n{summary}"
     loaded = planner.Plan.from_json(plan.to_json())
     assert loaded.module is None
     assert loaded.schedule == plan.schedule and loaded.graph == plan.graph

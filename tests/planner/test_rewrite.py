@@ -12,7 +12,7 @@ import planner
 from planner.capture import capture
 from planner.graph_build import build_activation_graph
 from planner.ir import Region, RegionPolicy, Schedule
-from planner.measure import default_loss
+from planner.measurement import default_loss
 from planner.rewrite import CheckpointedRegion, planned_graph_of, rewrite
 from planner.zoo import build_model
 

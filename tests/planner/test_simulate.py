@@ -89,7 +89,9 @@ def test_invalid_schedules_are_rejected(regions: tuple[Region, ...]) -> None:
 def test_graph_and_schedule_round_trip_through_json_form() -> None:
     graph = chain_graph([3, 1, 2])
     schedule = Schedule(
-        regions=(Region(0, 2, RegionPolicy.CHECKPOINT), Region(2, 4, RegionPolicy.STORE)), solver="dp"
+        regions=(Region(0, 2, RegionPolicy.CHECKPOINT, (1,)), Region(2, 4, RegionPolicy.STORE)),
+        solver="ilp",
+        gap=0.01,
     )
     assert graph_from_dict(graph_to_dict(graph)) == graph
     assert schedule_from_dict(schedule_to_dict(schedule)) == schedule

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from planner.measure import default_loss
+from planner.measurement import default_loss
 
 
 @dataclass

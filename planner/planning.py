@@ -1,11 +1,11 @@
-"""`optimize` and `measure`: the torch side of the public API (imported lazily by `planner`)."""
+"""`optimize`, `measure` and `plan_graph`: the torch side of the public API (imported lazily by `planner`)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from planner.capture import capture
 from planner.errors import GIB
 from planner.graph_build import build_activation_graph
 from planner.ir import ActivationGraph
-from planner.measure import MeasuredStep, OptimizerSpec, default_loss, measure_step
+from planner.measurement import MeasuredStep, OptimizerSpec, default_loss, measure_step, tensors_in
 from planner.plan import Plan
 from planner.rewrite import rewrite
 from planner.solvers import lowest_peak, solve
@@ -56,14 +56,30 @@ def _example_inputs(example_inputs: Any) -> tuple[Any, ...]:
         return tuple(example_inputs)
     raise TypeError(
         f"example_inputs must be a tensor or a tuple/list of the forward's positional arguments, "
-        f"got {type(example_inputs).__name__}"
+        f"got {type(example_inputs).__name__}; pass keyword arguments as example_kwargs={{...}}"
     )
+
+
+def _example_call(example_inputs: Any, example_kwargs: Mapping[str, Any] | None) -> tuple[Any, ...]:
+    """Positional example inputs, checked; with keyword inputs, positional ones may be empty."""
+    if example_kwargs is None:
+        return _example_inputs(example_inputs)
+    if not isinstance(example_kwargs, Mapping):
+        raise TypeError(
+            f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}"
+        )
+    if example_inputs is None or (isinstance(example_inputs, Sequence) and len(example_inputs) == 0):
+        if not tensors_in(example_kwargs):
+            raise TypeError("example_kwargs holds no tensor; pass the tensors the model's forward takes")
+        return ()
+    return _example_inputs(example_inputs)
 
 
 def optimize(
     model: torch.nn.Module,
-    example_inputs: Any,
+    example_inputs: Any = (),
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     budget_gb: float | None = None,
     budget_bytes: int | None = None,
     optimizer: OptimizerSpec = "adam",
@@ -72,24 +88,25 @@ def optimize(
 ) -> Plan:
     """Plan activation checkpointing so one training step of `model` fits the budget.
 
-    The budget is the whole step: parameters, gradients, optimizer state, inputs, activations and
-    workspace. `loss_fn(output) -> scalar` defaults to the sum of the output's floating tensors.
-    Raises `InfeasibleBudget` (a ValueError) when no plan fits, with the lowest achievable peak.
-    The model is left unchanged; `plan.module` shares its parameters.
+    The example call is `model(*example_inputs, **example_kwargs)`. The budget is the whole step:
+    parameters, gradients, optimizer state, inputs, activations and workspace. `loss_fn(output) ->
+    scalar` defaults to the sum of the output's floating tensors. Raises `InfeasibleBudget` (a
+    ValueError) when no plan fits, with the lowest achievable peak, and `UnsupportedModel` when no
+    capture level works. The model is left unchanged; `plan.module` shares its parameters.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     budget = _budget_bytes(budget_gb, budget_bytes)
-    inputs = _example_inputs(example_inputs)
+    inputs = _example_call(example_inputs, example_kwargs)
     started = time.perf_counter()
-    captured = capture(model)
+    captured = capture(model, inputs, example_kwargs)
     log.info("captured %d nodes by %s", len(captured.graph_module.graph.nodes), captured.path)
     graph = build_activation_graph(
-        captured, model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer
+        captured, model, captured.inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer
     )
     log.info("profiled %d nodes in %.1f s", len(graph.nodes), time.perf_counter() - started)
     plan = plan_graph(graph, budget_bytes=budget, solver=solver)
-    plan.module = rewrite(model, captured.graph_module, graph, plan.schedule)
+    plan.module = rewrite(model, captured.graph_module, graph, plan.schedule, call=captured.call)
     return plan
 
 
@@ -113,8 +130,9 @@ def plan_graph(graph: ActivationGraph, *, budget_bytes: int, solver: str = "auto
 
 def measure(
     model: torch.nn.Module,
-    example_inputs: Any,
+    example_inputs: Any = (),
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     optimizer: OptimizerSpec = "adam",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     timed_steps: int = 0,
@@ -122,7 +140,8 @@ def measure(
     """Measured peak memory (and optionally step time) of real training steps. Trains `model`."""
     return measure_step(
         model,
-        _example_inputs(example_inputs),
+        _example_call(example_inputs, example_kwargs),
+        example_kwargs=example_kwargs,
         loss_fn=loss_fn or default_loss,
         optimizer=optimizer,
         timed_steps=timed_steps,

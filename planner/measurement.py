@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -147,6 +147,7 @@ def _optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[to
 def _train_step(
     model: torch.nn.Module,
     inputs: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
     loss_fn: Callable[[Any], torch.Tensor],
     optimizer: torch.optim.Optimizer | None,
     on_phase: Callable[[str], None],
@@ -155,10 +156,10 @@ def _train_step(
         optimizer.zero_grad(set_to_none=True)
     else:
         model.zero_grad(set_to_none=True)
-    for tensor in tensors_in(inputs):
+    for tensor in tensors_in((inputs, kwargs)):
         tensor.grad = None  # each step gets a fresh batch; its gradient does not carry over
     on_phase("start")
-    loss = loss_fn(model(*inputs))
+    loss = loss_fn(model(*inputs, **kwargs))
     on_phase("forward")
     loss.backward()
     del loss
@@ -187,6 +188,7 @@ def measure_step(
     model: torch.nn.Module,
     inputs: tuple[Any, ...],
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] = default_loss,
     optimizer: OptimizerSpec = "adam",
     timed_steps: int = 0,
@@ -198,18 +200,24 @@ def measure_step(
     """
     parameters = [p for p in model.parameters() if p.requires_grad]
     built = make_optimizer(optimizer, parameters)
-    first = next(iter(tensors_in((tuple(model.parameters()), inputs))), None)
+    kwargs = dict(example_kwargs or {})
+    first = next(iter(tensors_in((tuple(model.parameters()), inputs, kwargs))), None)
     device = first.device if first is not None else torch.device("cpu")
     phase_peaks: dict[str, int] = {}
     if device.type == "cuda":
         with _cuda_phases(device) as on_phase:
             for _ in range(2):
-                _train_step(model, inputs, loss_fn, built, on_phase)
+                _train_step(model, inputs, kwargs, loss_fn, built, on_phase)
             phase_peaks = dict(on_phase.peaks)  # type: ignore[attr-defined]
     else:
         tracker = LiveStorageTracker()
         tracker.track(
-            [*model.parameters(), *model.buffers(), *tensors_in(inputs), *_optimizer_state_tensors(built)]
+            [
+                *model.parameters(),
+                *model.buffers(),
+                *tensors_in((inputs, kwargs)),
+                *_optimizer_state_tensors(built),
+            ]
         )
 
         def on_phase(phase: str) -> None:
@@ -218,9 +226,11 @@ def measure_step(
 
         with tracker:
             for _ in range(2):
-                _train_step(model, inputs, loss_fn, built, on_phase)
+                _train_step(model, inputs, kwargs, loss_fn, built, on_phase)
     phase_peaks.pop("start", None)
-    step_ms = _median_step_ms(model, inputs, loss_fn, built, timed_steps) if timed_steps > 0 else None
+    step_ms = (
+        _median_step_ms(model, inputs, kwargs, loss_fn, built, timed_steps) if timed_steps > 0 else None
+    )
     return MeasuredStep(
         peak_bytes=max(phase_peaks.values()),
         phase_peak_bytes=phase_peaks,
@@ -232,6 +242,7 @@ def measure_step(
 def _median_step_ms(
     model: torch.nn.Module,
     inputs: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
     loss_fn: Callable[[Any], torch.Tensor],
     optimizer: torch.optim.Optimizer | None,
     steps: int,
@@ -239,7 +250,7 @@ def _median_step_ms(
     durations_ms = []
     for _ in range(steps):
         started = time.perf_counter()
-        _train_step(model, inputs, loss_fn, optimizer, lambda _phase: None)
+        _train_step(model, inputs, kwargs, loss_fn, optimizer, lambda _phase: None)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         durations_ms.append((time.perf_counter() - started) * 1e3)

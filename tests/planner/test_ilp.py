@@ -1,0 +1,74 @@
+"""`ilp` (CP-SAT with selective keeps) against brute force over the same plan space, and against `dp`."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+
+import pytest
+from synthetic_graphs import keepable_chain
+from test_solvers import all_schedules
+
+from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
+from planner.simulate import recompute_trigger, simulate, store_everything
+from planner.solvers import _tables, lowest_peak, solve
+from planner.solvers.chain import keep_effect, region_cost
+from planner.solvers.ilp import _allowed_keeps, keepable
+
+
+def with_keeps(graph: ActivationGraph, schedule: Schedule) -> Iterator[Schedule]:
+    """Every assignment of allowed keep sets to the checkpointed regions of `schedule`."""
+    chain = _tables(graph).chain
+    options = []
+    for region in schedule.regions:
+        allowed = (
+            _allowed_keeps(chain, region, keepable(chain)) if region.policy is RegionPolicy.CHECKPOINT else []
+        )
+        subsets = [
+            subset for size in range(len(allowed) + 1) for subset in itertools.combinations(allowed, size)
+        ]
+        options.append([Region(region.start, region.stop, region.policy, subset) for subset in subsets])
+    for regions in itertools.product(*options):
+        yield Schedule(regions=tuple(regions), solver="brute-force")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ilp_matches_brute_force_with_keeps(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    graph = keepable_chain(rng, rng.randint(4, 6))
+    simulated = [
+        simulate(graph, candidate)
+        for schedule in all_schedules(graph)
+        for candidate in with_keeps(graph, schedule)
+    ]
+    lowest = lowest_peak(graph)[1].peak_bytes
+    baseline = simulate(graph, store_everything(graph)).peak_bytes
+    for fraction in (0.1, 0.5, 0.9):
+        budget = int(lowest + fraction * (baseline - lowest))
+        oracle_ms = min(result.recompute_ms for result in simulated if result.peak_bytes <= budget)
+        schedule = solve(graph, budget_bytes=budget, solver="ilp")
+        result = simulate(graph, schedule)
+        assert result.peak_bytes <= budget
+        assert result.recompute_ms == pytest.approx(oracle_ms, abs=1e-3), f"budget {budget}: {schedule}"
+        dp_ms = simulate(graph, solve(graph, budget_bytes=budget, solver="dp")).recompute_ms
+        assert result.recompute_ms <= dp_ms + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_keep_effect_equals_differencing_region_costs(seed: int) -> None:
+    graph = keepable_chain(random.Random(seed), 8)
+    chain = _tables(graph).chain
+    for start, stop in itertools.combinations(chain.cuts, 2):
+        region = Region(start, stop, RegionPolicy.CHECKPOINT)
+        if (
+            not all(node.checkpointable for node in graph.nodes[start:stop])
+            or recompute_trigger(graph, region) is None
+        ):
+            continue
+        base = region_cost(chain, region, previous_stores=False)
+        for index in _allowed_keeps(chain, region, keepable(chain)):
+            kept = region_cost(chain, Region(start, stop, region.policy, (index,)), previous_stores=False)
+            points, charged = keep_effect(chain, region, index)
+            assert points == tuple(a - b for a, b in zip(kept.points_bytes, base.points_bytes, strict=True))
+            assert charged == kept.charged_bytes - base.charged_bytes

@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Region
-from planner.naming import describe_region, is_module_aligned, module_cover, python_path, sibling_run
+from planner.naming import (
+    describe_region,
+    display_module,
+    is_module_aligned,
+    module_cover,
+    python_path,
+    sibling_run,
+)
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -103,10 +110,12 @@ def _where(graph: ActivationGraph, region: Region) -> str:
     """Whose forward holds the region's code, in words."""
     cover = module_cover(graph, region)
     parent = _common_parent(cover) if cover else ""
-    run = sibling_run(tuple(dict.fromkeys(path.rsplit(".", 1)[0] for path in cover if "." in path)))
-    if run is not None and run.last > run.first:
-        return f"it spans the end of {run.parent}.{run.first} and the start of {run.parent}.{run.last}"
-    return f"in the forward of {parent or 'the model'}"
+    prefix = f"{parent}." if parent else ""
+    children = list(dict.fromkeys(path.removeprefix(prefix).split(".")[0] for path in cover))
+    if len(children) > 1 and all(child.isdigit() for child in children):
+        first, last = (display_module(prefix + child) for child in (children[0], children[-1]))
+        return f"it spans {first} .. {last} without being whole modules"
+    return f"in the forward of {display_module(parent)}"
 
 
 def _region_lines(graph: ActivationGraph, number: int, region: Region) -> list[str]:

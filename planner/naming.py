@@ -5,8 +5,9 @@ the modules they wrote (`blocks.3`, `layers.0 .. layers.2`), and code that appli
 needs module names it can call. A region's *cover* is the smallest set of modules that owns exactly
 the region's nodes: a module enters the cover only when every graph node inside it is inside the
 region, and is lifted to its parent while the parent's nodes are all inside the region too. Nodes of
-functional ops (`torch.relu(x)`, `x + y`) have no module; they never block a lift. A region is
-*module-aligned* when calling its cover's modules reproduces it (see NOTE [functional ops]).
+functional ops run in the code of some module (`x + self.attention(x)` in a block's forward) and are
+covered with it, or are *loose* (see NOTE [loose nodes]). A region is *module-aligned* when calling
+its cover's modules reproduces it.
 
 Torch-free, like everything that reads an `ActivationGraph`.
 """
@@ -17,7 +18,15 @@ from dataclasses import dataclass
 
 from planner.ir import ActivationGraph, Region
 
-__all__ = ["SiblingRun", "describe_region", "is_module_aligned", "module_cover", "python_path", "sibling_run"]
+__all__ = [
+    "SiblingRun",
+    "describe_region",
+    "display_module",
+    "is_module_aligned",
+    "module_cover",
+    "python_path",
+    "sibling_run",
+]
 
 LISTED_MODULES = 3
 """A cover of more modules than this is shown as `first .. last (n modules)`."""
@@ -33,55 +42,52 @@ def _inside(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
 
 
-def module_cover(graph: ActivationGraph, region: Region) -> tuple[str, ...]:
-    """The outermost modules whose graph nodes all lie in `region`, in execution order."""
-    inside = {node.module_path for node in graph.nodes[region.start : region.stop] if node.module_path}
-    blocked = {
+def _blocked(graph: ActivationGraph, region: Region) -> set[str]:
+    """Modules (and the root, `""`) that run some node outside `region`."""
+    return {
         ancestor
         for index, node in enumerate(graph.nodes)
-        if node.module_path and not region.start <= index < region.stop
-        for ancestor in _ancestors(node.module_path)
+        if not region.start <= index < region.stop
+        for ancestor in ("", *(_ancestors(node.module_path) if node.module_path else ()))
     }
+
+
+def module_cover(graph: ActivationGraph, region: Region) -> tuple[str, ...]:
+    """The outermost modules whose graph nodes all lie in `region`, in execution order.
+
+    Loose nodes (see NOTE [loose nodes]) add nothing to the cover.
+    """
+    blocked = _blocked(graph, region)
     cover: list[str] = []
     for node in graph.nodes[region.start : region.stop]:
-        if not node.module_path:
+        if node.module_path in blocked or not node.module_path:
             continue
         lifted = node.module_path
         for ancestor in _ancestors(node.module_path):
             if ancestor in blocked:
                 break
             lifted = ancestor
-        if lifted not in cover and not any(_inside(lifted, chosen) for chosen in cover):
+        if not any(_inside(lifted, chosen) for chosen in cover):
             cover.append(lifted)
-    assert all(any(_inside(path, module) for module in cover) for path in inside), (region, cover)
     return tuple(cover)
 
 
-def _owner(path: str, cover: tuple[str, ...]) -> str | None:
-    return next((module for module in cover if _inside(path, module)), None)
-
-
 def is_module_aligned(graph: ActivationGraph, region: Region) -> bool:
-    """True when calling the cover's modules reproduces `region`'s memory (see NOTE [functional ops]).
+    """True when calling the cover's modules reproduces `region`'s memory (see NOTE [loose nodes]).
 
-    NOTE [functional ops]: a node without a module runs inside a module's forward when the module
-    nodes just before and after it (anywhere in the graph) belong to the same cover module: a forward
-    is one contiguous call. Otherwise it may run in the parent's forward, between module calls; that
-    is harmless when it saves nothing for backward (an addition, a view), and changes what the
-    checkpoint keeps when it saves something (a functional relu saves its output).
+    NOTE [loose nodes]: a node's `module_path` names the module whose own forward runs it: a module
+    call, or a functional op in that module's code (the residual `x + ...` of a block), or `""` for
+    the model's own code. A node is *loose* when that module also runs nodes outside the region, so
+    no module of the cover contains it: its code sits between the cover's module calls. A loose node
+    that saves nothing for backward (an addition, a view) changes nothing a checkpoint keeps; one that
+    saves something (a functional relu saves its output) does, so then no module calls reproduce the
+    region.
     """
     cover = module_cover(graph, region)
-    paths = [node.module_path for node in graph.nodes]
-    for index in range(region.start, region.stop):
-        node = graph.nodes[index]
-        if node.module_path or not node.saves_anything:
-            continue
-        before = next((paths[i] for i in range(index - 1, -1, -1) if paths[i]), "")
-        after = next((paths[i] for i in range(index + 1, len(paths)) if paths[i]), "")
-        owner = _owner(before, cover) if before else None
-        if owner is None or owner != (_owner(after, cover) if after else None):
-            return False
-    return True
+    return all(
+        not node.saves_anything or any(_inside(node.module_path, module) for module in cover)
+        for node in graph.nodes[region.start : region.stop]
+    )
 
 
 @dataclass(frozen=True)
@@ -107,17 +113,25 @@ def sibling_run(cover: tuple[str, ...]) -> SiblingRun | None:
     return SiblingRun(parent=parents.pop(), first=indices[0], last=indices[-1])
 
 
+def display_module(path: str) -> str:
+    """A module path as the report shows it: `blocks.3`, `module 3` for a child of a root Sequential."""
+    if not path:
+        return "the model"
+    return f"module {path}" if path.isdigit() else path
+
+
 def describe_region(graph: ActivationGraph, region: Region) -> str:
     """A short name for `region`: `layers.0 .. layers.2`, `blocks.3.attention`, or its node names."""
     cover = module_cover(graph, region)
     run = sibling_run(cover)
     if run is not None and run.last > run.first:
-        prefix = f"{run.parent}." if run.parent else ""
-        return f"{prefix}{run.first} .. {prefix}{run.last}"
+        if not run.parent:
+            return f"modules {run.first} .. {run.last}"
+        return f"{run.parent}.{run.first} .. {run.parent}.{run.last}"
     if cover and len(cover) <= LISTED_MODULES:
-        return ", ".join(cover)
+        return ", ".join(display_module(path) for path in cover)
     if cover:
-        return f"{cover[0]} .. {cover[-1]} ({len(cover)} modules)"
+        return f"{display_module(cover[0])} .. {display_module(cover[-1])} ({len(cover)} modules)"
     nodes = graph.nodes[region.start : region.stop]
     return f"nodes {nodes[0].name} .. {nodes[-1].name}"
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Schedule, SimulationResult
-from planner.naming import describe_region
+from planner.naming import describe_region, display_module
 from planner.simulate import simulate, store_everything
 
 if TYPE_CHECKING:
@@ -221,7 +221,7 @@ def describe_peak(graph: ActivationGraph, schedule: Schedule, result: Simulation
         return "the optimizer step (parameters, gradients, optimizer state and the step's temporaries)"
     index = graph.index_of(result.peak_node)
     node = graph.nodes[index]
-    where = f"node {node.name}" + (f" ({node.module_path})" if node.module_path else "")
+    where = f"node {node.name}" + (f" in {display_module(node.module_path)}" if node.module_path else "")
     if result.peak_phase is Phase.FORWARD:
         return f"forward, at {where}"
     number = _region_number(schedule, index)

@@ -26,6 +26,7 @@ from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Schedule, SimulationResult
 from planner.naming import describe_region, display_module
 from planner.simulate import simulate, store_everything
+from planner.solvers import lowest_peak
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -41,6 +42,7 @@ __all__ = [
     "cannot_help_reason",
     "describe_peak",
     "estimate_levers",
+    "levers_at_lowest_peak",
     "peak_components",
     "render_levers",
     "render_summary",
@@ -192,6 +194,12 @@ def estimate_levers(components: Mapping[str, Mapping[str, int]], *, optimizer: s
             )
         )
     return levers
+
+
+def levers_at_lowest_peak(graph: ActivationGraph) -> list[Lever]:
+    """The levers' estimates on top of the lowest-peak plan: what to try when no plan fits."""
+    schedule, _ = lowest_peak(graph)
+    return estimate_levers(peak_components(graph, schedule), optimizer=graph.optimizer)
 
 
 def render_levers(levers: list[Lever], indent: str = "    ") -> list[str]:

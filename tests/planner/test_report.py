@@ -19,9 +19,11 @@ from planner.report import (
     FORWARD_BACKWARD,
     OPTIMIZER_STEP,
     estimate_levers,
+    levers_at_lowest_peak,
     peak_components,
 )
 from planner.simulate import simulate, store_everything
+from planner.solvers import lowest_peak
 
 SIZES_MIB = [8, 8, 8, 8, 8, 8]
 
@@ -251,3 +253,11 @@ def test_a_functional_op_that_saves_between_modules_breaks_module_alignment() ->
     changed = dataclasses.replace(graph, nodes=(*graph.nodes[:2], relu, *graph.nodes[3:]))
     snippet = plan_of(changed, schedule_of(changed, (1, 4))).to_torch_snippet()
     assert "def region_1(x):" in snippet and "from graph node n1 to n3" in snippet, snippet
+
+
+def test_levers_at_the_lowest_peak_scale_the_lowest_plans_components() -> None:
+    graph = optimizer_bound_graph()
+    schedule, result = lowest_peak(graph)
+    levers = levers_at_lowest_peak(graph)
+    assert levers == estimate_levers(peak_components(graph, schedule), optimizer="adam")
+    assert all(lever.saving_bytes == result.peak_bytes - lever.estimated_peak_bytes for lever in levers)

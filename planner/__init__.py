@@ -17,18 +17,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from planner.errors import InfeasibleBudget, PlannerError, UnsupportedModel
+from planner.errors import InfeasibleBudget, InvalidGraph, PlannerError, ServiceError, UnsupportedModel
 from planner.plan import Plan
 
 if TYPE_CHECKING:
     from planner.measurement import MeasuredStep
-    from planner.planning import measure, optimize, plan_graph
+    from planner.planning import measure, optimize
+    from planner.solving import plan_graph
 
 __all__ = [
     "InfeasibleBudget",
+    "InvalidGraph",
     "MeasuredStep",
     "Plan",
     "PlannerError",
+    "ServiceError",
     "UnsupportedModel",
     "measure",
     "optimize",
@@ -38,7 +41,7 @@ __all__ = [
 _LAZY = {
     "optimize": "planner.planning",
     "measure": "planner.planning",
-    "plan_graph": "planner.planning",
+    "plan_graph": "planner.solving",
     "MeasuredStep": "planner.measurement",
 }
 

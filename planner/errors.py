@@ -7,7 +7,18 @@ the next step, so that a caught error can be shown to a person as it is. `Infeas
 
 from __future__ import annotations
 
-__all__ = ["PlannerError", "InfeasibleBudget", "UnsupportedModel", "format_bytes"]
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "GraphProblem",
+    "InfeasibleBudget",
+    "InvalidGraph",
+    "PlannerError",
+    "ServiceError",
+    "UnsupportedModel",
+    "format_bytes",
+]
 
 GIB = 2**30
 
@@ -26,6 +37,46 @@ class PlannerError(Exception):
 
 class UnsupportedModel(PlannerError):
     """The model cannot be captured or rewritten; the message names the construct and a workaround."""
+
+
+@dataclass(frozen=True)
+class GraphProblem:
+    """One reason a graph is not valid, at `location` (a path into the graph document)."""
+
+    location: tuple[str | int, ...]
+    message: str
+
+    @property
+    def field(self) -> str:
+        """The location written as `nodes[3].reads`."""
+        text = ""
+        for part in self.location:
+            text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+        return text
+
+
+class InvalidGraph(PlannerError, ValueError):
+    """A graph document that no solver can use: cycles, dangling storages, negative sizes, too many nodes.
+
+    Carries `problems`, each naming the offending field, so that the REST service can answer 422 with
+    one entry per field.
+    """
+
+    def __init__(self, problems: Sequence[GraphProblem]) -> None:
+        self.problems = tuple(problems)
+        listed = "\n".join(f"  {problem.field}: {problem.message}" for problem in self.problems)
+        super().__init__(
+            f"the activation graph is not valid ({len(self.problems)} problem(s)):\n{listed}\n"
+            "Send the graph as `planner.serialize.graph_to_dict` writes it for a captured model."
+        )
+
+
+class ServiceError(PlannerError):
+    """The planner service refused or failed a request; `status_code` and the server's message say why."""
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        self.status_code = status_code
+        super().__init__(message)
 
 
 class InfeasibleBudget(PlannerError, ValueError):

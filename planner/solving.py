@@ -1,0 +1,103 @@
+"""Solving a captured graph into plans without torch: one budget (`plan_graph`) or many (`pareto_frontier`).
+
+This is the path the REST service runs for a posted graph, so nothing here may import torch (a test
+checks it). `planner.optimize` captures and profiles a model and then does what `plan_graph` does.
+
+The frontier answers "how much recompute does each byte of budget cost": it solves the same graph at
+a list of budgets between the lowest achievable peak and the peak without checkpointing, where every
+budget is feasible and the recompute falls from its maximum to zero. A budget below the lowest peak
+gets an infeasible point rather than an error, so that one answer covers any list of budgets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.errors import InfeasibleBudget
+from planner.ir import ActivationGraph, Schedule, SimulationResult
+from planner.plan import Plan
+from planner.simulate import simulate, store_everything
+from planner.solvers import lowest_peak, solve
+
+__all__ = ["Frontier", "FrontierPoint", "frontier_budgets", "pareto_frontier", "plan_graph"]
+
+log = logging.getLogger(__name__)
+
+
+def plan_graph(graph: ActivationGraph, *, budget_bytes: int, solver: str = "auto") -> Plan:
+    """Solve an already captured graph (torch-free): a Plan without a module."""
+    solve_started = time.perf_counter()
+    schedule = solve(graph, budget_bytes=budget_bytes, solver=solver)
+    _, lowest = lowest_peak(graph)
+    solve_ms = (time.perf_counter() - solve_started) * 1e3
+    log.info(
+        "solved with %s in %.0f ms: %d checkpointed regions", solver, solve_ms, len(schedule.checkpointed)
+    )
+    return Plan(
+        graph=graph,
+        schedule=schedule,
+        budget_bytes=budget_bytes,
+        min_peak_bytes=lowest.peak_bytes,
+        solve_ms=solve_ms,
+    )
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """The best plan at one budget; `schedule` and `simulation` are None when nothing fits it."""
+
+    budget_bytes: int
+    schedule: Schedule | None
+    simulation: SimulationResult | None
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """Plans over a range of budgets, cheapest budget first, with the two ends of the range."""
+
+    min_peak_bytes: int
+    baseline_peak_bytes: int
+    points: tuple[FrontierPoint, ...]
+
+
+def frontier_budgets(min_peak_bytes: int, baseline_peak_bytes: int, *, points: int) -> list[int]:
+    """`points` budgets evenly spaced from the lowest peak to the baseline peak, both included."""
+    if points < 1:
+        raise ValueError(f"points must be at least 1, got {points}")
+    if points == 1 or baseline_peak_bytes <= min_peak_bytes:
+        return [max(min_peak_bytes, baseline_peak_bytes)]
+    span_bytes = baseline_peak_bytes - min_peak_bytes
+    return sorted({min_peak_bytes + span_bytes * step // (points - 1) for step in range(points)})
+
+
+def _frontier_point(graph: ActivationGraph, budget_bytes: int, solver: str) -> FrontierPoint:
+    try:
+        schedule = solve(graph, budget_bytes=budget_bytes, solver=solver)
+    except InfeasibleBudget:
+        return FrontierPoint(budget_bytes=budget_bytes, schedule=None, simulation=None)
+    return FrontierPoint(budget_bytes=budget_bytes, schedule=schedule, simulation=simulate(graph, schedule))
+
+
+def pareto_frontier(
+    graph: ActivationGraph,
+    *,
+    budgets_bytes: Sequence[int] | None = None,
+    points: int = 8,
+    solver: str = "auto",
+) -> Frontier:
+    """Solve `graph` at each of `budgets_bytes`, or at `points` budgets from lowest peak to baseline."""
+    _, lowest = lowest_peak(graph)
+    baseline = simulate(graph, store_everything(graph))
+    budgets = (
+        sorted(set(budgets_bytes))
+        if budgets_bytes is not None
+        else frontier_budgets(lowest.peak_bytes, baseline.peak_bytes, points=points)
+    )
+    return Frontier(
+        min_peak_bytes=lowest.peak_bytes,
+        baseline_peak_bytes=baseline.peak_bytes,
+        points=tuple(_frontier_point(graph, budget, solver) for budget in budgets),
+    )

@@ -1,0 +1,149 @@
+"""Synthetic activation graphs, built from the ir records alone (no torch, no profiling).
+
+The service's load benchmark, the container smoke test and the API tests need graphs of a chosen size
+that look like what `build_activation_graph` produces for a real model, on machines that have no torch.
+`residual_graph` builds a stack of residual blocks, the shape of a transformer or ResNet trunk: inside
+a block a chain of operators runs beside the block's input (the residual), and the block ends with an
+addition of the two. Block boundaries are therefore the graph's cuts, as in a real transformer, and the
+solvers see the same kind of plan space. Sizes and times are drawn from a seeded generator, so a graph
+is reproducible from its arguments.
+"""
+
+from __future__ import annotations
+
+import random
+
+from planner.ir import ActivationGraph, Node, StaticBytes
+
+__all__ = ["residual_graph"]
+
+MIB = 2**20
+PARAMETER_BYTES_PER_BLOCK = 2 * MIB
+"""Weights per block: enough that static memory matters, as it does in real models."""
+INPUT_BYTES = 4 * MIB
+"""The model input and the residual stream between blocks."""
+
+
+def _block_nodes(
+    rng: random.Random,
+    *,
+    block: int,
+    length: int,
+    entry: tuple[str, str] | None,
+    storage_bytes: dict[str, int],
+) -> list[Node]:
+    """One residual block of `length` nodes: `length - 1` chained operators, then `x + branch`.
+
+    `entry` is (node, storage) of the previous block's output; None for the first block, whose input
+    is the model's input (static memory, not an activation).
+    """
+    nodes: list[Node] = []
+    previous = entry
+    for position in range(length - 1):
+        name = f"b{block}_op{position}"
+        storage = f"{name}_out"
+        storage_bytes[storage] = rng.randint(1, 8) * MIB
+        is_matmul = position % 2 == 0
+        forward_ms = rng.uniform(0.5, 3.0) if is_matmul else rng.uniform(0.05, 0.3)
+        nodes.append(
+            Node(
+                name=name,
+                op="linear" if is_matmul else "gelu",
+                module_path=f"blocks.{block}.{'linear' if is_matmul else 'act'}{position}",
+                inputs=(previous[0],) if previous else ("input",),
+                creates=(storage,),
+                reads=(previous[1],) if previous else (),
+                saves=(previous[1],) if previous else (),
+                saves_anything=True,
+                forward_ms=forward_ms,
+                backward_ms=2 * forward_ms,
+                forward_workspace_bytes=0,
+                backward_workspace_bytes=storage_bytes[storage],
+                parameter_gradient_bytes=PARAMETER_BYTES_PER_BLOCK // length if is_matmul else 0,
+            )
+        )
+        previous = (name, storage)
+    assert previous is not None, "a block has at least one operator before its add"
+    output = f"b{block}_add_out"
+    storage_bytes[output] = INPUT_BYTES
+    nodes.append(
+        Node(
+            name=f"b{block}_add",
+            op="add",
+            module_path=f"blocks.{block}",
+            inputs=(previous[0], entry[0] if entry else "input"),
+            creates=(output,),
+            reads=(previous[1], entry[1]) if entry else (previous[1],),
+            saves=(),
+            saves_anything=False,
+            forward_ms=0.05,
+            backward_ms=0.05,
+            forward_workspace_bytes=0,
+            backward_workspace_bytes=0,
+        )
+    )
+    return nodes
+
+
+def _block_lengths(body_nodes: int, nodes_per_block: int) -> list[int]:
+    """Block sizes that add up to `body_nodes`; a remainder of one joins the last block."""
+    lengths = [nodes_per_block] * (body_nodes // nodes_per_block)
+    rest = body_nodes % nodes_per_block
+    if rest >= 2:
+        lengths.append(rest)
+    elif rest == 1:
+        lengths[-1] += 1
+    return lengths
+
+
+def residual_graph(*, node_count: int, nodes_per_block: int = 10, seed: int = 0) -> ActivationGraph:
+    """A stack of residual blocks with `node_count` nodes in all (the last one is the loss).
+
+    `nodes_per_block` (at least 2) sets how many nodes lie between two cuts; a final shorter block takes
+    what does not divide evenly.
+    """
+    if nodes_per_block < 2:
+        raise ValueError(
+            f"nodes_per_block must be at least 2 (an operator and the add), got {nodes_per_block}"
+        )
+    if node_count < nodes_per_block + 1:
+        raise ValueError(
+            f"node_count={node_count} is too small for one block of {nodes_per_block} nodes and the loss; "
+            f"use at least {nodes_per_block + 1}"
+        )
+    rng = random.Random(seed)
+    storage_bytes: dict[str, int] = {}
+    nodes: list[Node] = []
+    for block, length in enumerate(_block_lengths(node_count - 1, nodes_per_block)):
+        entry = (nodes[-1].name, nodes[-1].creates[0]) if nodes else None
+        nodes.extend(_block_nodes(rng, block=block, length=length, entry=entry, storage_bytes=storage_bytes))
+    output = nodes[-1].creates[0]
+    nodes.append(
+        Node(
+            name="loss",
+            op="loss_fn",
+            module_path="",
+            inputs=(nodes[-1].name,),
+            creates=(),
+            reads=(output,),
+            saves=(output,),
+            saves_anything=True,
+            forward_ms=0.1,
+            backward_ms=0.1,
+            forward_workspace_bytes=0,
+            backward_workspace_bytes=0,
+            checkpointable=False,
+        )
+    )
+    parameter_bytes = PARAMETER_BYTES_PER_BLOCK * len(_block_lengths(node_count - 1, nodes_per_block))
+    static = StaticBytes(
+        parameter_bytes=parameter_bytes,
+        buffer_bytes=0,
+        input_bytes=INPUT_BYTES,
+        gradient_bytes=parameter_bytes,
+        optimizer_state_bytes=2 * parameter_bytes,
+        optimizer_step_workspace_bytes=PARAMETER_BYTES_PER_BLOCK,
+    )
+    return ActivationGraph(
+        nodes=tuple(nodes), storage_bytes=storage_bytes, static=static, capture="synthetic", optimizer="adam"
+    )

@@ -1,0 +1,76 @@
+"""`/v1/plans`: post a graph and a budget, get the plan at once or a job to poll.
+
+POST answers 200 with the finished job when the plan is ready within `wait_s` (immediately when an
+identical request was solved before), and otherwise 202 with the job and a `Location` to poll.
+A job that failed in a way that would repeat (an infeasible budget) is answered with 422 at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import APIRouter, Depends, HTTPException, Response
+
+from api.deps import RunnerDep, SettingsDep, StoreDep, require_token
+from api.jobs import Job, JobStatus
+from api.routers import error_responses
+from api.schemas import JobView, PlanRequest
+from api.worker import JobFailed, PlanJob
+from planner.validate import validate_graph
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/plans", tags=["plans"], dependencies=[Depends(require_token)])
+
+
+def _view(job: Job) -> JobView:
+    if job.status is JobStatus.FAILED:
+        assert job.error is not None, f"job {job.id} failed without a recorded error"
+        raise JobFailed(job.error)
+    return JobView.of(job, json.loads(job.result_json) if job.result_json else None)
+
+
+@router.post(
+    "",
+    responses={
+        202: {
+            "model": JobView,
+            "description": "Not solved within wait_s; poll the job at Location",
+            "headers": {"Location": {"schema": {"type": "string"}, "description": "The job's URL"}},
+        },
+        **error_responses(401, 413, 422, 500, 503),
+    },
+)
+async def create_plan(
+    body: PlanRequest, runner: RunnerDep, settings: SettingsDep, response: Response
+) -> JobView:
+    """Solve `graph` for `budget_bytes`: 200 with the plan, or 202 with a job to poll."""
+    graph = body.graph.to_graph()
+    validate_graph(graph, max_nodes=settings.max_nodes)
+    submission = runner.submit(PlanJob(graph=graph, budget_bytes=body.budget_bytes, solver=body.solver))
+    job = submission.job
+    wait_s = min(body.wait_s, settings.max_wait_s)
+    if submission.done is not None and job.status not in (JobStatus.DONE, JobStatus.FAILED):
+        try:
+            job = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(submission.done)), timeout=wait_s)
+        except TimeoutError:
+            job = runner.store.get(job.id) or job
+    view = _view(job)
+    if job.status is not JobStatus.DONE:
+        response.status_code = 202
+        response.headers["Location"] = router.url_path_for("get_plan", job_id=job.id)
+    return view
+
+
+@router.get("/{job_id}", responses=error_responses(401, 404))
+async def get_plan(job_id: str, store: StoreDep) -> JobView:
+    """The job: its plan once done, its error once failed (failed jobs are answered 200 here)."""
+    job = store.get(job_id)
+    if job is None:
+        raise HTTPException(
+            status_code=404,
+            detail=f"no job {job_id!r}; jobs are kept in the service's database, "
+            "so this id was never issued by it (or the database was replaced)",
+        )
+    return JobView.of(job, json.loads(job.result_json) if job.result_json else None)

@@ -17,6 +17,22 @@ that takes the finest level that works and records which one it took (`Capture.p
    another shape raises a ValueError that says so (see `GraphCall`).
 3. When neither works, `UnsupportedModel` names the construct each level failed on and the workaround.
 
+NOTE [hooks]: hooks must behave as without checkpointing. The planned module shares the root's hook
+dictionaries, so the root's hooks run once per call; both levels trace the root's `forward`, not its
+`__call__`, so the hooks are not also traced into the graph. FX keeps a submodule with hooks as one
+node that calls the module (its hooks run), and graph_build marks that node not checkpointable, so a
+replay never runs the hooks a second time. torch.export would inline such a submodule and run its hooks
+once, at capture, so the export level refuses models whose submodules carry hooks.
+
+NOTE [in-place ops]: checkpointing keeps a region's input tensors to replay the region, and the replay
+fails if one was written in place since (`out += identity` or `ReLU(inplace=True)` right after a region
+boundary). Both levels therefore run an in-place op out of place when nothing can observe the write:
+its tensor is new (made by a convolution, a norm, a Linear, an addition, an ATen op whose schema
+returns no alias, ...) and no node after it reads that tensor; buffers are never switched. Values are
+the same; the tensor written is a new one. In-place ops that stay (writes through a view, slice
+assignment, a tensor read again later) are found while profiling, by version counters, and
+graph_build keeps their readers out of checkpointed regions.
+
 Which inputs the graph takes is the job of `GraphCall`: the planned module is called like the model
 (`model(x, attention_mask=m)`), and the captured graph takes either the bound arguments in signature
 order (FX) or the flat tensors of the example call's structure (export).
@@ -25,21 +41,24 @@ order (FX) or the flat tensors of the example call's structure (export).
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import io
 import logging
+import operator
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx
+import torch.nn.functional as F
+from torch import fx, nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from planner.errors import UnsupportedModel
 
-__all__ = ["Capture", "CapturePath", "GraphCall", "capture"]
+__all__ = ["Capture", "CapturePath", "GraphCall", "capture", "has_hooks", "hooked_submodules"]
 
 log = logging.getLogger(__name__)
 
@@ -117,15 +136,41 @@ class Capture:
     """The example call as the graph takes it (`GraphCall.graph_inputs` of the example)."""
 
 
+HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+"""Where `nn.Module` keeps the hooks registered on one module instance."""
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """True when hooks are registered on this module instance (global hooks are not counted)."""
+    return any(getattr(module, name, None) for name in HOOK_DICTS)
+
+
+def hooked_submodules(model: torch.nn.Module) -> list[str]:
+    """Qualified names of the model's submodules (not the root) that carry hooks."""
+    return [name for name, module in model.named_modules() if name and has_hooks(module)]
+
+
 class _OpaqueTracer(fx.Tracer):
-    """The default tracer, but the named submodules stay single call_module nodes."""
+    """The default tracer, but the named submodules stay single call_module nodes.
+
+    So do submodules with hooks (see NOTE [hooks]): called as modules, their hooks run.
+    """
 
     def __init__(self, opaque: set[str]) -> None:
         super().__init__()
         self.opaque = opaque
 
     def is_leaf_module(self, module: torch.nn.Module, qualified_name: str) -> bool:
-        return qualified_name in self.opaque or super().is_leaf_module(module, qualified_name)
+        return (
+            qualified_name in self.opaque
+            or has_hooks(module)
+            or super().is_leaf_module(module, qualified_name)
+        )
 
 
 def _failing_module(model: torch.nn.Module, error: BaseException) -> str | None:
@@ -157,6 +202,155 @@ def _concrete_arguments(signature: inspect.Signature, example: inspect.BoundArgu
     }
 
 
+OUT_OF_PLACE_OPERATORS: dict[Callable[..., Any], Callable[..., Any]] = {
+    operator.iadd: operator.add,
+    operator.isub: operator.sub,
+    operator.imul: operator.mul,
+    operator.itruediv: operator.truediv,
+}
+"""Augmented assignments (`out += identity`) and the operators that compute them out of place."""
+
+FRESH_MODULES = (
+    nn.modules.conv._ConvNd,
+    nn.Linear,
+    nn.Bilinear,
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.Embedding,
+)
+"""Modules whose output is always a new tensor, never a view of an input."""
+
+FRESH_FUNCTIONS = frozenset(
+    {
+        *OUT_OF_PLACE_OPERATORS.values(),
+        operator.matmul,
+        torch.add,
+        torch.cat,
+        torch.matmul,
+        torch.mul,
+        F.conv1d,
+        F.conv2d,
+        F.conv3d,
+        F.gelu,
+        F.layer_norm,
+        F.linear,
+    }
+)
+"""Functions whose output is always a new tensor."""
+
+
+def _makes_fresh_tensor(node: fx.Node, graph_module: fx.GraphModule) -> bool:
+    if node.op == "call_module":
+        return isinstance(graph_module.get_submodule(str(node.target)), FRESH_MODULES)
+    if node.op != "call_function":
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        # ATen schemas annotate aliasing: an output without an alias annotation is a new tensor
+        schema = node.target._schema
+        return bool(schema.returns) and not schema.is_mutable and schema.returns[0].alias_info is None
+    return node.target in FRESH_FUNCTIONS
+
+
+def _only_reader(node: fx.Node, written: Any, order: dict[fx.Node, int]) -> bool:
+    """True when no node after `node` reads `written`, so nothing can observe the in-place write."""
+    return isinstance(written, fx.Node) and all(order[user] <= order[node] for user in written.users)
+
+
+def _out_of_place_overload(operator_overload: Any) -> Any:
+    """The out-of-place ATen overload of an in-place one (`aten.relu_.default` -> `aten.relu.default`)."""
+    if not isinstance(operator_overload, torch._ops.OpOverload):
+        return None
+    schema = operator_overload._schema
+    name = schema.name.removeprefix("aten::")
+    if not name.endswith("_") or not schema.arguments or schema.arguments[0].alias_info is None:
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    return getattr(packet, operator_overload._overloadname, None) if packet is not None else None
+
+
+def _out_of_place_form(node: fx.Node) -> Callable[[], None] | None:
+    """A change that makes `node` compute out of place, or None when it is not an in-place op."""
+    overload = _out_of_place_overload(node.target) if node.op == "call_function" else None
+    if overload is not None:
+        return lambda: setattr(node, "target", overload)
+    if node.op == "call_function" and node.target in OUT_OF_PLACE_OPERATORS:
+        replacement = OUT_OF_PLACE_OPERATORS[node.target]
+        return lambda: setattr(node, "target", replacement)
+    if node.op == "call_function" and node.kwargs.get("inplace") is True:
+        return lambda: setattr(node, "kwargs", {**node.kwargs, "inplace": False})
+    if node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).startswith("_"):
+        method = str(node.target)[:-1]
+        return (lambda: setattr(node, "target", method)) if hasattr(torch.Tensor, method) else None
+    return None
+
+
+def _in_place_module(node: fx.Node, graph_module: fx.GraphModule) -> bool:
+    if node.op != "call_module":
+        return False
+    return getattr(graph_module.get_submodule(str(node.target)), "inplace", False) is True
+
+
+def _graph_owns_parent(graph_module: fx.GraphModule, model: torch.nn.Module, target: str) -> bool:
+    """True when the module holding `target` in the graph is the graph's own, not the model's."""
+    parent_path = target.rpartition(".")[0]
+    return not parent_path or graph_module.get_submodule(parent_path) is not model.get_submodule(parent_path)
+
+
+def _out_of_place_plan(
+    graph_module: fx.GraphModule, model: torch.nn.Module, excluded: set[str]
+) -> tuple[list[Callable[[], None]], dict[str, bool]]:
+    """The in-place calls to run out of place, and whether each in-place module's every call may be."""
+    order = {node: index for index, node in enumerate(graph_module.graph.nodes)}
+    fresh: set[fx.Node] = set()
+    changes: list[Callable[[], None]] = []
+    module_safe: dict[str, bool] = {}
+    for node in graph_module.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module") or not node.args:
+            continue
+        written = node.args[0]
+        safe = (
+            isinstance(written, fx.Node)
+            and (written in fresh or _makes_fresh_tensor(written, graph_module))
+            and _only_reader(node, written, order)
+        )
+        if _in_place_module(node, graph_module):
+            target = str(node.target)
+            safe = safe and _graph_owns_parent(graph_module, model, target)
+            module_safe[target] = module_safe.get(target, True) and safe
+            if safe and target not in excluded:
+                fresh.add(node)
+            continue
+        change = _out_of_place_form(node)
+        if change is not None and safe:
+            changes.append(change)
+            fresh.add(node)
+    return changes, module_safe
+
+
+def _run_out_of_place(graph_module: fx.GraphModule, model: torch.nn.Module) -> None:
+    """Compute out of place the in-place ops whose writes nothing can observe; see NOTE [in-place ops].
+
+    A module called at several places (one `self.relu` in a block) is switched only if every call
+    may be; excluding one can make a later call unsafe, so the plan is redone until it is stable.
+    """
+    excluded: set[str] = set()
+    while True:
+        changes, module_safe = _out_of_place_plan(graph_module, model, excluded)
+        unsafe = {target for target, safe in module_safe.items() if not safe}
+        if unsafe <= excluded:
+            break
+        excluded |= unsafe
+    for change in changes:
+        change()
+    for target in sorted(target for target in module_safe if target not in excluded):
+        parent_path, _, name = target.rpartition(".")
+        out_of_place = copy.copy(graph_module.get_submodule(target))
+        object.__setattr__(out_of_place, "inplace", False)
+        setattr(graph_module.get_submodule(parent_path), name, out_of_place)
+    graph_module.recompile()
+
+
 def _capture_fx(
     model: torch.nn.Module, signature: inspect.Signature, example: inspect.BoundArguments | None
 ) -> Capture:
@@ -186,6 +380,7 @@ def _capture_fx(
             opaque.add(failing)
             continue
         graph_module = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        _run_out_of_place(graph_module, model)
         path = CapturePath.FX if not opaque else f"{CapturePath.FX} (opaque: {', '.join(sorted(opaque))})"
         call = GraphCall(signature=signature)
         inputs = call.graph_inputs(example.args, example.kwargs) if example is not None else ()
@@ -208,6 +403,19 @@ def _quiet_export() -> Iterator[None]:
     finally:
         if stderr.getvalue():
             log.debug("torch.export wrote to stderr:\n%s", stderr.getvalue())
+
+
+@contextlib.contextmanager
+def _root_hooks_suspended(model: torch.nn.Module) -> Iterator[None]:
+    """Export the root's forward without its hooks, which the planned module runs itself."""
+    saved = {name: getattr(model, name) for name in HOOK_DICTS}
+    try:
+        for name, hooks in saved.items():
+            setattr(model, name, type(hooks)())
+        yield
+    finally:
+        for name, hooks in saved.items():
+            setattr(model, name, hooks)
 
 
 def _check_shared_state(graph_module: fx.GraphModule, model: torch.nn.Module) -> None:
@@ -236,8 +444,14 @@ def _capture_export(
     model: torch.nn.Module, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Capture:
     """Capture with torch.export (non-strict, training IR), specialised to the example call."""
+    hooked = hooked_submodules(model)
+    if hooked:
+        raise UnsupportedModel(
+            f"torch.export would inline submodules {hooked[:4]} and run their hooks once, at capture, "
+            "never in training (see NOTE [hooks] in planner/capture.py)"
+        )
     try:
-        with _quiet_export():
+        with _quiet_export(), _root_hooks_suspended(model):
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # noqa: BLE001 - any export failure is a reason to try a coarser level
         raise UnsupportedModel(
@@ -247,6 +461,7 @@ def _capture_export(
     assert isinstance(graph_module, fx.GraphModule)
     _check_shared_state(graph_module, model)
     _drop_export_guards(graph_module)
+    _run_out_of_place(graph_module, model)
     leaves, spec = tree_flatten((args, kwargs))
     call = GraphCall(
         signature=signature,

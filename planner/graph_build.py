@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from planner.capture import Capture
+from planner.capture import Capture, has_hooks
 from planner.ir import ActivationGraph, Node, Phase, StaticBytes
 from planner.measurement import LiveStorageTracker, OptimizerSpec, make_optimizer, tensors_in
 from planner.simulate import simulate, store_everything
@@ -77,6 +77,8 @@ class _NodeRecord:
     stateful: bool = False
     in_place: bool = False
     checkpointable: bool = True
+    mutates: list[str] = field(default_factory=list)
+    """Activation storages among the node's inputs that it wrote in place (their version moved)."""
 
 
 class _ProfilingTracker(LiveStorageTracker):
@@ -140,6 +142,7 @@ def _flags(node: fx.Node, graph_module: fx.GraphModule) -> dict[str, bool]:
             "random": isinstance(module, RANDOM_MODULES),
             "stateful": any(True for _ in module.buffers()),
             "in_place": bool(getattr(module, "inplace", False)),
+            "checkpointable": not has_hooks(module),  # a replay would run its hooks twice
         }
     target_name = getattr(node.target, "__name__", str(node.target))
     return {
@@ -226,11 +229,16 @@ class _ProfilingInterpreter(fx.Interpreter):
             **_flags(n, self.module),  # type: ignore[arg-type]
         )
         args, kwargs = self.fetch_args_kwargs_from_env(n)
+        versions = {id(t): t._version for t in tensors_in((args, kwargs))}
         self.start_node(record)
         started = time.perf_counter()
         output = getattr(self, n.op)(n.target, args, kwargs)
         self.forward_ms[n.name] = (time.perf_counter() - started) * 1e3
         self.finish_node(record, (args, kwargs), output)
+        if self.tracker is not None:
+            written = [t for t in tensors_in((args, kwargs)) if t._version != versions[id(t)]]
+            names = (self.tracker.name_of(t, create=False) for t in written)
+            record.mutates = list(dict.fromkeys(name for name in names if name is not None))
         return output
 
 
@@ -507,6 +515,7 @@ def build_activation_graph(
         tracker.static_keys = {id(t.untyped_storage()) for t in static_tensors}
         with tracker:
             interpreter, _ = _profile_step(graph_module, inputs, loss_fn, targets, tracker)
+        _forbid_replaying_mutated_inputs(interpreter)
         forward_runs, backward_runs = [], []
         for _ in range(TIMING_REPEATS):
             timed, clock = _profile_step(graph_module, inputs, loss_fn, targets, None)
@@ -533,6 +542,26 @@ def build_activation_graph(
     )
     calibrated = _calibrate(profiled, interpreter.records)
     return dataclasses.replace(calibrated, static=static)
+
+
+def _forbid_replaying_mutated_inputs(interpreter: _ProfilingInterpreter) -> None:
+    """Mark not checkpointable every node that reads a storage before an in-place write to it.
+
+    A checkpointed region keeps its input storages to replay itself, and refuses to replay from one
+    that was written in place since (autograd's version check). A region that starts after storage
+    S was made and contains a node reading S has S as an input; if S is written at or after that
+    node, the replay fails. So every reader of S between S's creator (exclusive) and its last
+    in-place writer (inclusive) stays out of checkpointed regions. capture.py runs the common
+    in-place ops out of place where that is safe, so this rarely applies.
+    """
+    records = [interpreter.records[name] for name in interpreter.order]
+    created_at = {storage: index for index, record in enumerate(records) for storage in record.creates}
+    for writer_index, writer in enumerate(records):
+        for storage in writer.mutates:
+            start = created_at.get(storage, -1) + 1
+            for record in records[start : writer_index + 1]:
+                if storage in record.reads or storage in record.saves:
+                    record.checkpointable = False
 
 
 def _constant_bytes(graph_module: fx.GraphModule, model: torch.nn.Module) -> int:

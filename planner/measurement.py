@@ -10,6 +10,7 @@ is the quantity `torch.cuda.memory_allocated` reports on a GPU, less the allocat
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 import weakref
@@ -38,9 +39,15 @@ OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
-    """Every tensor in a nested structure of tuples, lists, dicts and dataclass-like outputs."""
-    leaves, _ = tree_flatten(value)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    """Every tensor in a nested structure of tuples, lists, dicts, pytree nodes (Hugging Face's
+    `ModelOutput`) and dataclasses (which pytree does not open unless registered)."""
+    found: list[torch.Tensor] = []
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += tensors_in([getattr(leaf, field.name) for field in dataclasses.fields(leaf)])
+    return found
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -228,9 +235,7 @@ def measure_step(
             for _ in range(2):
                 _train_step(model, inputs, kwargs, loss_fn, built, on_phase)
     phase_peaks.pop("start", None)
-    step_ms = (
-        _median_step_ms(model, inputs, kwargs, loss_fn, built, timed_steps) if timed_steps > 0 else None
-    )
+    step_ms = _median_step_ms(model, inputs, kwargs, loss_fn, built, timed_steps) if timed_steps > 0 else None
     return MeasuredStep(
         peak_bytes=max(phase_peaks.values()),
         phase_peak_bytes=phase_peaks,

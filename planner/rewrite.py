@@ -68,11 +68,32 @@ ALIASING_OPERATORS = frozenset({torch.ops.aten._unsafe_view.default})
 """Operators whose output shares its input's storage although their schema does not say so."""
 
 
+UNINITIALIZED_OPERATORS = frozenset(
+    {
+        torch.ops.aten.empty.memory_format,
+        torch.ops.aten.empty_like.default,
+        torch.ops.aten.empty_strided.default,
+        torch.ops.aten.new_empty.default,
+        torch.ops.aten.new_empty_strided.default,
+    }
+)
+"""Operators whose output is only ever filled in place afterwards (dropout's mask on the CPU)."""
+
+
 def _keep_policy(context: Any, operator: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Save what a kept node's operators allocate; replay views, which would pin their inputs if cached."""
+    """Save what a kept node's operators allocate; replay views, which would pin their inputs if cached.
+
+    Tensors written in place after they are made (a composite's scratch: dropout inside
+    `scaled_dot_product_attention` is `empty_like`, `bernoulli_`, `div_` on the CPU) are replayed too:
+    checkpoint refuses a cached tensor that was mutated after it was saved.
+    """
     aliasing = getattr(operator, "is_view", False) or operator in ALIASING_OPERATORS
+    schema = getattr(operator, "_schema", None)
+    scratch = operator in UNINITIALIZED_OPERATORS or (schema is not None and schema.is_mutable)
     return (
-        CheckpointPolicy.MUST_SAVE if _KEEPING.get() and not aliasing else CheckpointPolicy.PREFER_RECOMPUTE
+        CheckpointPolicy.MUST_SAVE
+        if _KEEPING.get() and not aliasing and not scratch
+        else CheckpointPolicy.PREFER_RECOMPUTE
     )
 
 

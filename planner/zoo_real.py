@@ -1,0 +1,668 @@
+"""The models people train, at CI size: what the capture chain and the rewriter must handle unedited.
+
+Why it exists: `planner.zoo` rebuilds the users' threads; this zoo holds the model families a
+checkpoint planner meets in practice and that break other planners: Hugging Face `transformers`
+models (GPT-2, BERT, Llama, T5, ViT) built from random-weight configs, PyTorch's own
+`nn.TransformerEncoder`/`nn.TransformerDecoder` stacks, ResNet-, DenseNet- and U-Net-style CNNs
+(BatchNorm, residual additions, concatenation), and small models for the Python features that trip
+capture: dataclass outputs with keyword-only inputs, in-place operations, tied weights, and hooks. One
+model branches on a tensor's value in its root `forward`, which no capture level can follow, so the
+error path is exercised too.
+
+Each entry says which capture path it is expected to take (`RealModel.capture`). `build()` runs under
+a fixed seed without consuming the caller's RNG stream and returns the model in train mode with its
+example call. Nothing is downloaded: Hugging Face models come from configs, and `transformers` is
+imported inside their build functions only, so the library does not depend on it (install the `dev`
+extra to build them).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "REAL_ZOO",
+    "BranchingRoot",
+    "DenseNet",
+    "ExampleCall",
+    "HookedMLP",
+    "InPlaceMLP",
+    "KeywordTagger",
+    "RealModel",
+    "ResNet",
+    "TaggerOutput",
+    "TiedLanguageModel",
+    "UNet",
+    "build_call",
+]
+
+SEED = 0
+"""Seed of every build; two builds of one entry are equal tensor for tensor."""
+
+HUGGING_FACE = "transformers"
+"""The optional package the Hugging Face entries need."""
+
+
+@dataclass(frozen=True)
+class ExampleCall:
+    """A model in train mode and the call one training step makes: `model(*args, **kwargs)`."""
+
+    model: nn.Module
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """One entry: how to build it, the capture path it should take, and what it needs installed."""
+
+    name: str
+    description: str
+    build: Callable[[], ExampleCall]
+    capture: str
+    """Expected `Plan.capture`: "fx", "export", or "unsupported" (no level can capture it)."""
+    requires: str | None = None
+
+
+def _seeded(construct: Callable[[], ExampleCall]) -> Callable[[], ExampleCall]:
+    """Run `construct` under `SEED` without consuming the caller's RNG stream; train mode."""
+
+    @functools.wraps(construct)
+    def build() -> ExampleCall:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            call = construct()
+        call.model.train()
+        return call
+
+    return build
+
+
+def _transformers() -> ModuleType:
+    try:
+        return importlib.import_module(HUGGING_FACE)
+    except ImportError as error:
+        raise ImportError(
+            "the Hugging Face zoo entries need `transformers`: pip install -e '.[dev]' (or pip install "
+            "transformers)"
+        ) from error
+
+
+def _build_hf_gpt2() -> ExampleCall:
+    hf = _transformers()
+    config = hf.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=512,
+        n_positions=64,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    token_ids = torch.randint(config.vocab_size, (4, 48))
+    return ExampleCall(hf.GPT2LMHeadModel(config), kwargs={"input_ids": token_ids, "labels": token_ids})
+
+
+def _build_hf_bert() -> ExampleCall:
+    hf = _transformers()
+    config = hf.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=256,
+        vocab_size=512,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    token_ids = torch.randint(config.vocab_size, (4, 48))
+    attention_mask = torch.ones_like(token_ids)
+    attention_mask[:, -8:] = 0
+    return ExampleCall(
+        hf.BertForMaskedLM(config),
+        kwargs={"input_ids": token_ids, "attention_mask": attention_mask, "labels": token_ids},
+    )
+
+
+def _build_hf_llama() -> ExampleCall:
+    hf = _transformers()
+    config = hf.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=192,
+        vocab_size=512,
+        max_position_embeddings=64,
+        attention_dropout=0.1,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    token_ids = torch.randint(config.vocab_size, (4, 48))
+    return ExampleCall(hf.LlamaForCausalLM(config), kwargs={"input_ids": token_ids, "labels": token_ids})
+
+
+def _build_hf_t5() -> ExampleCall:
+    hf = _transformers()
+    config = hf.T5Config(
+        num_layers=2,
+        num_decoder_layers=2,
+        d_model=64,
+        d_kv=16,
+        num_heads=4,
+        d_ff=192,
+        vocab_size=512,
+        use_cache=False,
+        decoder_start_token_id=0,
+    )
+    source = torch.randint(config.vocab_size, (4, 32))
+    target = torch.randint(config.vocab_size, (4, 24))
+    return ExampleCall(hf.T5ForConditionalGeneration(config), kwargs={"input_ids": source, "labels": target})
+
+
+def _build_hf_vit() -> ExampleCall:
+    hf = _transformers()
+    config = hf.ViTConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=256,
+        image_size=32,
+        patch_size=4,
+        num_labels=10,
+        hidden_dropout_prob=0.1,
+    )
+    images = torch.randn(4, 3, 32, 32)
+    labels = torch.randint(config.num_labels, (4,))
+    return ExampleCall(
+        hf.ViTForImageClassification(config), kwargs={"pixel_values": images, "labels": labels}
+    )
+
+
+TRANSFORMER_WIDTH, TRANSFORMER_HEADS, TRANSFORMER_LAYERS = 64, 4, 3
+
+
+def _transformer_layer_options() -> dict[str, Any]:
+    return {
+        "d_model": TRANSFORMER_WIDTH,
+        "nhead": TRANSFORMER_HEADS,
+        "dim_feedforward": 4 * TRANSFORMER_WIDTH,
+        "dropout": 0.1,
+        "batch_first": True,
+    }
+
+
+def _build_transformer_encoder() -> ExampleCall:
+    layer = nn.TransformerEncoderLayer(**_transformer_layer_options())
+    model = nn.TransformerEncoder(layer, TRANSFORMER_LAYERS, enable_nested_tensor=False)
+    source = torch.randn(8, 32, TRANSFORMER_WIDTH)
+    padding = torch.zeros(8, 32, dtype=torch.bool)
+    padding[:, -6:] = True
+    return ExampleCall(model, (source,), {"src_key_padding_mask": padding})
+
+
+def _build_transformer_decoder() -> ExampleCall:
+    layer = nn.TransformerDecoderLayer(**_transformer_layer_options())
+    model = nn.TransformerDecoder(layer, TRANSFORMER_LAYERS)
+    target = torch.randn(8, 24, TRANSFORMER_WIDTH)
+    memory = torch.randn(8, 32, TRANSFORMER_WIDTH)
+    causal = nn.Transformer.generate_square_subsequent_mask(24)
+    return ExampleCall(model, (target, memory), {"tgt_mask": causal, "tgt_is_causal": True})
+
+
+def _convolution(in_channels: int, out_channels: int, *, stride: int = 1) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False),
+        nn.BatchNorm2d(out_channels),
+    )
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 convolutions with BatchNorm, an in-place residual addition."""
+
+    def __init__(self, in_channels: int, out_channels: int, *, stride: int = 1) -> None:
+        super().__init__()
+        self.first = _convolution(in_channels, out_channels, stride=stride)
+        self.relu = nn.ReLU(inplace=True)
+        self.second = _convolution(out_channels, out_channels)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.second(self.relu(self.first(x)))
+        out += self.shortcut(x)
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """A CIFAR-style ResNet: a stem, three stages of two basic blocks, global pooling, a classifier."""
+
+    def __init__(self, widths: tuple[int, ...] = (16, 32, 64), classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(_convolution(3, widths[0]), nn.ReLU(inplace=True))
+        blocks: list[nn.Module] = []
+        in_channels = widths[0]
+        for stage, width in enumerate(widths):
+            blocks.append(BasicBlock(in_channels, width, stride=1 if stage == 0 else 2))
+            blocks.append(BasicBlock(width, width))
+            in_channels = width
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(in_channels, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features = self.blocks(self.stem(images))
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(features, 1), 1))
+
+
+class DenseLayer(nn.Module):
+    """BN-ReLU-Conv1x1-BN-ReLU-Conv3x3, its output concatenated to its input (DenseNet-BC)."""
+
+    def __init__(self, in_channels: int, growth: int) -> None:
+        super().__init__()
+        self.bottleneck = nn.Sequential(
+            nn.BatchNorm2d(in_channels),
+            nn.ReLU(),
+            nn.Conv2d(in_channels, 4 * growth, 1, bias=False),
+            nn.BatchNorm2d(4 * growth),
+            nn.ReLU(),
+            nn.Conv2d(4 * growth, growth, 3, padding=1, bias=False),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, self.bottleneck(x)], dim=1)
+
+
+class DenseNet(nn.Module):
+    """Two dense blocks of four layers (growth 12) with a pooling transition between them."""
+
+    def __init__(self, growth: int = 12, layers_per_block: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        channels = 2 * growth
+        self.stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)
+        features: list[nn.Module] = []
+        for block in range(2):
+            for _ in range(layers_per_block):
+                features.append(DenseLayer(channels, growth))
+                channels += growth
+            if block == 0:
+                features += [
+                    nn.BatchNorm2d(channels),
+                    nn.ReLU(),
+                    nn.Conv2d(channels, channels // 2, 1, bias=False),
+                    nn.AvgPool2d(2),
+                ]
+                channels //= 2
+        self.features = nn.Sequential(*features, nn.BatchNorm2d(channels), nn.ReLU())
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features = self.features(self.stem(images))
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(features, 1), 1))
+
+
+def _double_convolution(in_channels: int, out_channels: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False),
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU(inplace=True),
+    )
+
+
+class UNet(nn.Module):
+    """A two-level U-Net: the encoder's features are concatenated into the decoder across the U."""
+
+    def __init__(self, width: int = 16, classes: int = 2) -> None:
+        super().__init__()
+        self.encoder1 = _double_convolution(3, width)
+        self.encoder2 = _double_convolution(width, 2 * width)
+        self.bottleneck = _double_convolution(2 * width, 4 * width)
+        self.up2 = nn.ConvTranspose2d(4 * width, 2 * width, 2, stride=2)
+        self.decoder2 = _double_convolution(4 * width, 2 * width)
+        self.up1 = nn.ConvTranspose2d(2 * width, width, 2, stride=2)
+        self.decoder1 = _double_convolution(2 * width, width)
+        self.head = nn.Conv2d(width, classes, 1)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        skip1 = self.encoder1(images)
+        skip2 = self.encoder2(F.max_pool2d(skip1, 2))
+        x = self.bottleneck(F.max_pool2d(skip2, 2))
+        x = self.decoder2(torch.cat([self.up2(x), skip2], dim=1))
+        x = self.decoder1(torch.cat([self.up1(x), skip1], dim=1))
+        return self.head(x)
+
+
+def _build_resnet() -> ExampleCall:
+    return ExampleCall(ResNet(), (torch.randn(16, 3, 32, 32),))
+
+
+def _build_densenet() -> ExampleCall:
+    return ExampleCall(DenseNet(), (torch.randn(16, 3, 32, 32),))
+
+
+def _build_unet() -> ExampleCall:
+    return ExampleCall(UNet(), (torch.randn(8, 3, 32, 32),))
+
+
+@dataclass
+class TaggerOutput:
+    """A Hugging Face-style output record: logits and every block's hidden state."""
+
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...]
+
+
+class KeywordTagger(nn.Module):
+    """Token tagger called with keyword-only inputs; returns a dataclass, a dict or a tuple."""
+
+    def __init__(self, vocabulary: int = 512, width: int = 128, depth: int = 4, tags: int = 16) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+            )
+            for _ in range(depth)
+        )
+        self.dropout = nn.Dropout(0.1)
+        self.head = nn.Linear(width, tags)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        output: str = "dataclass",
+    ) -> TaggerOutput | dict[str, torch.Tensor] | tuple[torch.Tensor, ...]:
+        x = self.embedding(token_ids)
+        if attention_mask is not None:
+            x = x * attention_mask.unsqueeze(-1)
+        hidden_states = []
+        for block in self.blocks:
+            x = x + self.dropout(block(x))
+            hidden_states.append(x)
+        logits = self.head(x)
+        if output == "dict":
+            return {"logits": logits, "last_hidden_state": x}
+        if output == "tuple":
+            return (logits, x)
+        return TaggerOutput(logits=logits, hidden_states=tuple(hidden_states))
+
+
+def _tagger_call(output: str) -> ExampleCall:
+    token_ids = torch.randint(512, (16, 64))
+    attention_mask = torch.ones(16, 64)
+    attention_mask[:, -10:] = 0.0
+    return ExampleCall(KeywordTagger(), (token_ids,), {"attention_mask": attention_mask, "output": output})
+
+
+class InPlaceMLP(nn.Module):
+    """Residual MLP written with in-place ops: `mul_`/`add_`, `relu(inplace=True)`, slice assignment."""
+
+    def __init__(self, width: int = 256, depth: int = 4) -> None:
+        super().__init__()
+        self.up = nn.ModuleList(nn.Linear(width, 2 * width) for _ in range(depth))
+        self.down = nn.ModuleList(nn.Linear(2 * width, width) for _ in range(depth))
+        self.shift = nn.Parameter(torch.zeros(2 * width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for up, down in zip(self.up, self.down, strict=True):
+            hidden = up(x)
+            hidden.mul_(0.5).add_(self.shift)
+            hidden = F.relu(hidden, inplace=True)
+            update = down(hidden)
+            half = update.shape[-1] // 2
+            update[:, :half] = update[:, :half].tanh()
+            x = x + update
+        return x
+
+
+def _build_inplace_mlp() -> ExampleCall:
+    return ExampleCall(InPlaceMLP(), (torch.randn(512, 256),))
+
+
+class TiedLanguageModel(nn.Module):
+    """A small language model whose output projection is its token embedding (one Parameter)."""
+
+    def __init__(self, vocabulary: int = 1024, width: int = 128, depth: int = 4) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, width)
+        self.blocks = nn.Sequential(
+            *(
+                nn.Sequential(
+                    nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(0.1)
+                )
+                for _ in range(depth)
+            )
+        )
+        self.norm = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocabulary, bias=False)
+        self.lm_head.weight = self.embedding.weight
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(self.blocks(self.embedding(token_ids))))
+
+
+def _build_tied_lm() -> ExampleCall:
+    return ExampleCall(TiedLanguageModel(), (torch.randint(1024, (16, 64)),))
+
+
+class ResidualBlock(nn.Module):
+    """x + MLP(LayerNorm(x))."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+class HookedMLP(nn.Module):
+    """Residual blocks with the hooks people register: a counting forward hook (its count is the
+    buffer `blocks.1.forward_calls`), an output-halving forward hook and an input-doubling forward
+    pre-hook. Each must run once per call, as without checkpointing.
+    """
+
+    def __init__(self, width: int = 128, depth: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(ResidualBlock(width) for _ in range(depth)))
+        self.head = nn.Linear(width, width)
+        self.blocks[1].register_buffer("forward_calls", torch.zeros((), dtype=torch.long))
+        self.blocks[1].register_forward_hook(_count_call)
+        self.blocks[3].register_forward_hook(_halve_output)
+        self.blocks[4].register_forward_pre_hook(_double_input)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def _count_call(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+    with torch.no_grad():
+        module.get_buffer("forward_calls").add_(1)
+
+
+def _halve_output(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    return output * 0.5
+
+
+def _double_input(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(2.0 * tensor for tensor in inputs)
+
+
+def _build_hooked_mlp() -> ExampleCall:
+    model = HookedMLP()
+    return ExampleCall(model, (torch.randn(256, 128),))
+
+
+class BranchingRoot(nn.Module):
+    """Chooses a path on the sign of its input's mean in the root forward: FX and torch.export both fail."""
+
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.positive = ResidualBlock(width)
+        self.negative = ResidualBlock(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.mean() > 0:
+            return self.positive(x)
+        return self.negative(x)
+
+
+def _build_branching_root() -> ExampleCall:
+    return ExampleCall(BranchingRoot(), (torch.randn(64, 128),))
+
+
+REAL_ZOO: dict[str, RealModel] = {
+    entry.name: entry
+    for entry in (
+        RealModel(
+            "hf_gpt2",
+            "Hugging Face GPT2LMHeadModel: 2 layers, width 64, 4 heads, vocabulary 512, dropout 0.1, tied LM "
+            "head; input_ids and labels (4, 48), use_cache=False.",
+            _seeded(_build_hf_gpt2),
+            capture="export",
+            requires=HUGGING_FACE,
+        ),
+        RealModel(
+            "hf_bert",
+            "Hugging Face BertForMaskedLM: 2 layers, width 64, 4 heads, vocabulary 512; input_ids, "
+            "attention_mask (last 8 tokens padded) and labels (4, 48).",
+            _seeded(_build_hf_bert),
+            capture="export",
+            requires=HUGGING_FACE,
+        ),
+        RealModel(
+            "hf_llama",
+            "Hugging Face LlamaForCausalLM: 2 layers, width 64, 4 heads with 2 KV heads (GQA), RoPE, "
+            "RMSNorm, SwiGLU, attention dropout 0.1; input_ids and labels (4, 48).",
+            _seeded(_build_hf_llama),
+            capture="export",
+            requires=HUGGING_FACE,
+        ),
+        RealModel(
+            "hf_t5",
+            "Hugging Face T5ForConditionalGeneration: 2 encoder and 2 decoder layers, width 64, relative "
+            "position bias; input_ids (4, 32), labels (4, 24).",
+            _seeded(_build_hf_t5),
+            capture="export",
+            requires=HUGGING_FACE,
+        ),
+        RealModel(
+            "hf_vit",
+            "Hugging Face ViTForImageClassification: 2 layers, width 64, patch 4 on 32x32 images, dropout "
+            "0.1; pixel_values (4, 3, 32, 32) and labels.",
+            _seeded(_build_hf_vit),
+            capture="export",
+            requires=HUGGING_FACE,
+        ),
+        RealModel(
+            "transformer_encoder",
+            "nn.TransformerEncoder: 3 post-LN layers, width 64, 4 heads, dropout 0.1, batch_first; source "
+            "(8, 32, 64) with src_key_padding_mask (last 6 positions).",
+            _seeded(_build_transformer_encoder),
+            capture="export",
+        ),
+        RealModel(
+            "transformer_decoder",
+            "nn.TransformerDecoder: 3 layers, width 64, 4 heads, dropout 0.1; target (8, 24, 64) with a "
+            "causal tgt_mask, memory (8, 32, 64).",
+            _seeded(_build_transformer_decoder),
+            capture="export",
+        ),
+        RealModel(
+            "resnet",
+            "CIFAR-style ResNet: stem and 3 stages of 2 basic blocks (16/32/64 channels), BatchNorm, "
+            "in-place ReLU and residual +=; batch 16 of 3x32x32.",
+            _seeded(_build_resnet),
+            capture="fx",
+        ),
+        RealModel(
+            "densenet",
+            "DenseNet-BC: 2 dense blocks of 4 layers (growth 12, BN-ReLU-Conv1x1-BN-ReLU-Conv3x3, "
+            "concatenation), a pooling transition; batch 16 of 3x32x32.",
+            _seeded(_build_densenet),
+            capture="fx",
+        ),
+        RealModel(
+            "unet",
+            "Two-level U-Net: double 3x3 convolutions with BatchNorm, max pooling, transposed convolutions, "
+            "skip concatenation; batch 8 of 3x32x32, 2 classes per pixel.",
+            _seeded(_build_unet),
+            capture="fx",
+        ),
+        RealModel(
+            "keyword_dataclass",
+            "Token tagger called with a keyword-only attention_mask and output='dataclass', returning a "
+            "dataclass of logits and a tuple of hidden states; tokens (16, 64).",
+            _seeded(lambda: _tagger_call("dataclass")),
+            capture="fx",
+        ),
+        RealModel(
+            "keyword_dict",
+            "The token tagger returning a dict (output='dict').",
+            _seeded(lambda: _tagger_call("dict")),
+            capture="fx",
+        ),
+        RealModel(
+            "keyword_tuple",
+            "The token tagger returning a tuple (output='tuple').",
+            _seeded(lambda: _tagger_call("tuple")),
+            capture="fx",
+        ),
+        RealModel(
+            "inplace_mlp",
+            "Residual MLP of width 256 written with mul_/add_, relu(inplace=True) and slice assignment; "
+            "batch 512.",
+            _seeded(_build_inplace_mlp),
+            capture="fx",
+        ),
+        RealModel(
+            "tied_lm",
+            "Language model whose lm_head.weight is its embedding.weight (one Parameter), 4 MLP blocks of "
+            "width 128, vocabulary 1024; tokens (16, 64).",
+            _seeded(_build_tied_lm),
+            capture="fx",
+        ),
+        RealModel(
+            "hooked_mlp",
+            "6 residual MLP blocks of width 128 with a counting forward hook, an output-halving forward hook "
+            "and an input-doubling forward pre-hook; batch 256.",
+            _seeded(_build_hooked_mlp),
+            capture="fx",
+        ),
+        RealModel(
+            "branching_root",
+            "Two residual blocks chosen by the sign of the input's mean in the root forward.",
+            _seeded(_build_branching_root),
+            capture="unsupported",
+        ),
+    )
+}
+
+
+def build_call(name: str) -> ExampleCall:
+    """Build the entry `name`: a fresh model in train mode and its example call."""
+    try:
+        entry = REAL_ZOO[name]
+    except KeyError as error:
+        raise KeyError(f"no real-zoo model named {name!r}; valid names: {', '.join(REAL_ZOO)}") from error
+    return entry.build()

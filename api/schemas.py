@@ -13,7 +13,7 @@ error (its `detail` entries name the offending field in `loc`, as FastAPI's vali
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -30,6 +30,7 @@ __all__ = [
     "HealthView",
     "JobErrorView",
     "JobView",
+    "job_json",
     "ParetoPointView",
     "ParetoRequest",
     "ParetoView",
@@ -193,7 +194,8 @@ class JobView(BaseModel):
     error: JobErrorView | None = None
 
     @classmethod
-    def of(cls, job: Job, plan: dict[str, Any] | None = None) -> JobView:
+    def of(cls, job: Job) -> JobView:
+        """The job without its plan; `job_json` adds the stored plan text."""
         return cls(
             id=job.id,
             status=job.status,
@@ -202,9 +204,18 @@ class JobView(BaseModel):
             attempts=job.attempts,
             created_at=_time(job.created_at),
             updated_at=_time(job.updated_at),
-            plan=PlanDocument.model_validate(plan) if plan is not None else None,
             error=JobErrorView.of(job.error) if job.error is not None else None,
         )
+
+
+def job_json(job: Job) -> str:
+    """The JobView of `job` as JSON, with the stored plan document spliced in as it was stored.
+
+    The plan was written by `Plan.to_dict` in this service and is sent as it is: parsing and
+    re-validating a large graph on every answer would cost more than the rest of the request.
+    """
+    head = JobView.of(job).model_dump_json(exclude={"plan"})
+    return f'{head[:-1]},"plan":{job.result_json or "null"}}}'
 
 
 class ParetoPointView(BaseModel):

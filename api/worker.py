@@ -224,7 +224,7 @@ class JobRunner:
                 budget_bytes=int(request["budget_bytes"]),
                 solver=str(request["solver"]),
             )
-            self.store.finish(job_id, json.dumps(plan.to_dict(), allow_nan=False))
+            self.store.finish(job_id, json.dumps(plan.to_dict(), separators=(",", ":"), allow_nan=False))
         except Exception as error:  # noqa: BLE001 - every failure is stored on the job, bugs included
             if not isinstance(error, PlannerError):
                 log.exception("job %s failed unexpectedly", job_id)

@@ -101,6 +101,13 @@ def _order_problems(graph: ActivationGraph) -> Iterator[GraphProblem]:
             )
         else:
             position[node.name] = index
+    out_of_order = {
+        index: later
+        for index, node in enumerate(graph.nodes)
+        if (later := [name for name in node.inputs if position.get(name, -1) >= index])
+    }
+    if not out_of_order:
+        return  # every input that names a node names an earlier one: no cycle is possible
     try:
         cycle = nx.find_cycle(graph.to_networkx())
     except nx.NetworkXNoCycle:
@@ -109,14 +116,12 @@ def _order_problems(graph: ActivationGraph) -> Iterator[GraphProblem]:
         path = " -> ".join([*(source for source, _ in cycle), cycle[0][0]])
         yield GraphProblem(("nodes", position[cycle[0][1]], "inputs"), f"the inputs form a cycle: {path}")
         return
-    for index, node in enumerate(graph.nodes):
-        later = [name for name in node.inputs if position.get(name, -1) > index]
-        if later:
-            yield GraphProblem(
-                ("nodes", index, "inputs"),
-                f"node {node.name!r} takes inputs {later} from nodes listed after it; "
-                "list nodes in execution order",
-            )
+    for index, later in out_of_order.items():
+        yield GraphProblem(
+            ("nodes", index, "inputs"),
+            f"node {graph.nodes[index].name!r} takes inputs {later} from nodes listed after it; "
+            "list nodes in execution order",
+        )
 
 
 def _problems(graph: ActivationGraph, max_nodes: int | None) -> Iterator[GraphProblem]:

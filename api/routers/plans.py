@@ -8,14 +8,13 @@ A job that failed in a way that would repeat (an infeasible budget) is answered 
 from __future__ import annotations
 
 import asyncio
-import json
 
 from fastapi import APIRouter, Depends, HTTPException, Response
 
 from api.deps import RunnerDep, SettingsDep, StoreDep, require_token
 from api.jobs import Job, JobStatus
 from api.routers import error_responses
-from api.schemas import JobView, PlanRequest
+from api.schemas import JobView, PlanRequest, job_json
 from api.worker import JobFailed, PlanJob
 from planner.validate import validate_graph
 
@@ -24,15 +23,13 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1/plans", tags=["plans"], dependencies=[Depends(require_token)])
 
 
-def _view(job: Job) -> JobView:
-    if job.status is JobStatus.FAILED:
-        assert job.error is not None, f"job {job.id} failed without a recorded error"
-        raise JobFailed(job.error)
-    return JobView.of(job, json.loads(job.result_json) if job.result_json else None)
+def _job_response(job: Job, *, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(job_json(job), status_code=status_code, headers=headers, media_type="application/json")
 
 
 @router.post(
     "",
+    response_model=JobView,
     responses={
         202: {
             "model": JobView,
@@ -42,9 +39,7 @@ def _view(job: Job) -> JobView:
         **error_responses(401, 413, 422, 500, 503),
     },
 )
-async def create_plan(
-    body: PlanRequest, runner: RunnerDep, settings: SettingsDep, response: Response
-) -> JobView:
+async def create_plan(body: PlanRequest, runner: RunnerDep, settings: SettingsDep) -> Response:
     """Solve `graph` for `budget_bytes`: 200 with the plan, or 202 with a job to poll."""
     graph = body.graph.to_graph()
     validate_graph(graph, max_nodes=settings.max_nodes)
@@ -56,15 +51,18 @@ async def create_plan(
             job = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(submission.done)), timeout=wait_s)
         except TimeoutError:
             job = runner.store.get(job.id) or job
-    view = _view(job)
-    if job.status is not JobStatus.DONE:
-        response.status_code = 202
-        response.headers["Location"] = router.url_path_for("get_plan", job_id=job.id)
-    return view
+    if job.status is JobStatus.FAILED:
+        assert job.error is not None, f"job {job.id} failed without a recorded error"
+        raise JobFailed(job.error)
+    if job.status is JobStatus.DONE:
+        return _job_response(job)
+    return _job_response(
+        job, status_code=202, headers={"Location": router.url_path_for("get_plan", job_id=job.id)}
+    )
 
 
-@router.get("/{job_id}", responses=error_responses(401, 404))
-async def get_plan(job_id: str, store: StoreDep) -> JobView:
+@router.get("/{job_id}", response_model=JobView, responses=error_responses(401, 404))
+async def get_plan(job_id: str, store: StoreDep) -> Response:
     """The job: its plan once done, its error once failed (failed jobs are answered 200 here)."""
     job = store.get(job_id)
     if job is None:
@@ -73,4 +71,4 @@ async def get_plan(job_id: str, store: StoreDep) -> JobView:
             detail=f"no job {job_id!r}; jobs are kept in the service's database, "
             "so this id was never issued by it (or the database was replaced)",
         )
-    return JobView.of(job, json.loads(job.result_json) if job.result_json else None)
+    return _job_response(job)

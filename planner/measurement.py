@@ -26,10 +26,12 @@ from torch.utils._pytree import tree_flatten
 __all__ = [
     "LiveStorageTracker",
     "MeasuredStep",
+    "MeasuredTimeline",
     "OptimizerSpec",
     "default_loss",
     "make_optimizer",
     "measure_step",
+    "measure_timeline",
 ]
 
 OptimizerSpec = str | torch.optim.Optimizer | None
@@ -260,3 +262,68 @@ def _median_step_ms(
             torch.cuda.synchronize()
         durations_ms.append((time.perf_counter() - started) * 1e3)
     return statistics.median(durations_ms)
+
+
+@dataclass(frozen=True)
+class MeasuredTimeline:
+    """Live tensor-storage bytes after each operator of one steady-state training step, by phase.
+
+    `samples` are (phase, live bytes) pairs in execution order; phases are "forward" (model and loss),
+    "backward" and "optimizer step". The step is the second of two, so the optimizer state exists.
+    """
+
+    samples: tuple[tuple[str, int], ...]
+    peak_bytes: int
+    device: str
+
+
+class _TimelineTracker(LiveStorageTracker):
+    """A LiveStorageTracker that also notes the live bytes after every operator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after_each_operator: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        output = super().__torch_dispatch__(func, types, args, kwargs)
+        self.after_each_operator.append(self.live_bytes)
+        return output
+
+
+def measure_timeline(
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] = default_loss,
+    optimizer: OptimizerSpec = "adam",
+) -> MeasuredTimeline:
+    """The measured counterpart of a plan's simulated trace (for `Plan.plot_timeline(measured=...)`).
+
+    Runs two real training steps under the live-storage tracker (on any device; see the module
+    docstring) and keeps the second step's per-operator samples. A peak inside one operator (its
+    temporaries) is not seen, so `peak_bytes` can be below `measure_step`'s. Trains `model`, like
+    `measure_step`: pass a copy to keep the original.
+    """
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    built = make_optimizer(optimizer, parameters)
+    kwargs = dict(example_kwargs or {})
+    tracker = _TimelineTracker()
+    tracker.track([*model.parameters(), *model.buffers(), *tensors_in((inputs, kwargs))])
+    samples: list[tuple[str, int]] = []
+
+    def on_phase(phase: str) -> None:
+        if phase != "start":
+            samples.extend((phase, live_bytes) for live_bytes in tracker.after_each_operator)
+        tracker.after_each_operator.clear()
+
+    with tracker:
+        _train_step(model, inputs, kwargs, loss_fn, built, lambda _phase: None)
+        tracker.after_each_operator.clear()
+        _train_step(model, inputs, kwargs, loss_fn, built, on_phase)
+    first = next(iter(tensors_in((tuple(model.parameters()), inputs, kwargs))), None)
+    return MeasuredTimeline(
+        samples=tuple(samples),
+        peak_bytes=max((live_bytes for _, live_bytes in samples), default=tracker.live_bytes),
+        device=str(first.device if first is not None else torch.device("cpu")),
+    )

@@ -227,8 +227,8 @@ def timeline_figure(plan: Plan, *, measured: MeasuredSeries | None = None) -> Fi
         axes.plot(
             xs,
             ys,
-            color="#333333",
-            linewidth=0.9,
+            color="#222222",
+            linewidth=1.1,
             linestyle=":",
             zorder=5,
             label="measured, with the plan (per operator, stretched over each phase)",

@@ -16,8 +16,8 @@ demo: $(VENV)/.installed
 	$(PY) -m planner.demo
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check planner tests bench
-	$(PY) -m mypy planner
+	$(PY) -m ruff check planner tests api bench
+	$(PY) -m mypy planner api
 
 test: lint
 	$(PY) -m pytest -q

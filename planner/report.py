@@ -18,6 +18,7 @@ Everything here reads plain data (ir.py) and the torch-free simulator; it never 
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,6 +66,9 @@ COMPONENT_LABELS: dict[str, str] = {
     "workspace": "workspace",
 }
 """Simulator breakdown keys, in report order, with the words the report uses."""
+
+REPORT_WIDTH = 104
+"""Prose lines of the report wrap here, so it reads in a terminal and in a README code block."""
 
 STATIC_COMPONENTS = ("parameters", "gradients", "optimizer_state", "inputs", "buffers")
 
@@ -210,7 +214,12 @@ def render_levers(levers: list[Lever], indent: str = "    ") -> list[str]:
         lines += [
             f"{indent}{lever.name:<{width}}  ~{format_bytes(lever.estimated_peak_bytes):>11}  "
             f"(estimate, -{format_bytes(lever.saving_bytes)})",
-            f"{indent}  assumes {lever.assumption}",
+            *textwrap.wrap(
+                f"assumes {lever.assumption}",
+                width=REPORT_WIDTH,
+                initial_indent=f"{indent}  ",
+                subsequent_indent=f"{indent}  ",
+            ),
         ]
     return lines
 
@@ -332,7 +341,12 @@ def render_summary(plan: Plan) -> str:
     if reason is not None:
         components = peak_components(plan.graph, plan.schedule)
         lines += [
-            f"  checkpointing cannot help here: {reason}",
+            *textwrap.wrap(
+                f"checkpointing cannot help here: {reason}",
+                width=REPORT_WIDTH,
+                initial_indent="  ",
+                subsequent_indent="    ",
+            ),
             "  next levers (estimates from the graph's bytes, not predictions; see planner/report.py):",
             *render_levers(estimate_levers(components, optimizer=plan.graph.optimizer)),
         ]

@@ -18,25 +18,30 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
+from torch.utils.flop_counter import FlopCounterMode
 
 from planner.capture import Capture, has_hooks
 from planner.ir import ActivationGraph, Node, Phase, StaticBytes
 from planner.measurement import LiveStorageTracker, OptimizerSpec, make_optimizer, tensors_in
+from planner.profile import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
 from planner.simulate import simulate, store_everything
 
 __all__ = ["build_activation_graph", "LOSS_NODE"]
 
 LOSS_NODE = "loss"
+META_PROBE_ELEMENTS = 2**16
+"""Elements of the CPU stand-in for a meta parameter when probing the optimizer."""
 OPTIMIZER_PROBES = 3
 """Largest parameters whose optimizer step is probed for temporaries."""
 TIMING_REPEATS = 3
@@ -73,6 +78,8 @@ class _NodeRecord:
     backward_peak_bytes: int | None = None
     parameter_gradient_bytes: int = 0
     allocated_bytes: int = 0
+    forward_flops: int = 0
+    moved_bytes: int = 0
     random: bool = False
     stateful: bool = False
     in_place: bool = False
@@ -231,15 +238,25 @@ class _ProfilingInterpreter(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         versions = {id(t): t._version for t in tensors_in((args, kwargs))}
         self.start_node(record)
+        counter = FlopCounterMode(display=False) if self.tracker is not None else None
         started = time.perf_counter()
-        output = getattr(self, n.op)(n.target, args, kwargs)
+        with counter if counter is not None else nullcontext():
+            output = getattr(self, n.op)(n.target, args, kwargs)
         self.forward_ms[n.name] = (time.perf_counter() - started) * 1e3
+        if counter is not None:
+            record.forward_flops = counter.get_total_flops()
+            record.moved_bytes = _tensor_bytes((args, kwargs)) + _tensor_bytes(output)
         self.finish_node(record, (args, kwargs), output)
         if self.tracker is not None:
             written = [t for t in tensors_in((args, kwargs)) if t._version != versions[id(t)]]
             names = (self.tracker.name_of(t, create=False) for t in written)
             record.mutates = list(dict.fromkeys(name for name in names if name is not None))
         return output
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes a node reads or writes: each tensor's own elements, views included."""
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
 
 
 @contextmanager
@@ -377,7 +394,19 @@ def _optimizer_bytes(spec: OptimizerSpec, parameters: list[torch.nn.Parameter]) 
 
 
 def _probe_optimizer(spec: OptimizerSpec, parameters: list[torch.nn.Parameter]) -> tuple[int, int]:
-    """(state bytes, peak temporaries) of two optimizer steps over zero-filled copies of `parameters`."""
+    """(state bytes, peak temporaries) of two optimizer steps over zero-filled copies of `parameters`.
+
+    Parameters on the meta device are probed on small CPU copies and the result scaled by size:
+    optimizer state and temporaries are elementwise, so they grow linearly with the parameter.
+    """
+    if any(p.is_meta for p in parameters):
+        small = [
+            torch.nn.Parameter(torch.zeros(min(p.numel(), META_PROBE_ELEMENTS), dtype=p.dtype))
+            for p in parameters
+        ]
+        state_bytes, workspace_bytes = _probe_optimizer(spec, small)
+        scale = sum(p.numel() for p in parameters) / sum(p.numel() for p in small)
+        return math.ceil(state_bytes * scale), math.ceil(workspace_bytes * scale)
     probes = [torch.nn.Parameter(torch.zeros_like(p)) for p in parameters]
     for probe in probes:
         probe.grad = torch.zeros_like(probe)
@@ -462,6 +491,8 @@ def _to_nodes(
                 backward_workspace_bytes=0,
                 parameter_gradient_bytes=record.parameter_gradient_bytes,
                 allocated_bytes=record.allocated_bytes,
+                forward_flops=record.forward_flops,
+                moved_bytes=record.moved_bytes,
                 random=record.random,
                 stateful=record.stateful,
                 in_place=record.in_place,
@@ -498,9 +529,17 @@ def build_activation_graph(
     *,
     loss_fn: Callable[[Any], torch.Tensor],
     optimizer: OptimizerSpec,
+    cost_model: str = "measured",
+    device: str | DeviceSpec | None = None,
 ) -> ActivationGraph:
-    """Profile one training step of `captured` and return its activation graph (model left unchanged)."""
+    """Profile one training step of `captured` and return its activation graph (model left unchanged).
+
+    `cost_model="measured"` times each node in repeated profiling steps on the model's device;
+    `"analytic"` prices it by FLOPs and bytes on `device` (see profile.py) and needs no timing run,
+    which is the only choice for a model on the meta device.
+    """
     graph_module = captured.graph_module
+    spec = _cost_spec(model, inputs, cost_model, device)
     targets = _grad_targets(model, inputs)
     if not targets:
         raise ValueError(
@@ -516,17 +555,16 @@ def build_activation_graph(
         with tracker:
             interpreter, _ = _profile_step(graph_module, inputs, loss_fn, targets, tracker)
         _forbid_replaying_mutated_inputs(interpreter)
-        forward_runs, backward_runs = [], []
-        for _ in range(TIMING_REPEATS):
-            timed, clock = _profile_step(graph_module, inputs, loss_fn, targets, None)
-            forward_runs.append(timed.forward_ms)
-            backward_runs.append(clock.backward_ms)
-    forward_ms = {
-        name: statistics.median(run.get(name, 0.0) for run in forward_runs) for name in interpreter.order
-    }
-    backward_ms = {
-        name: statistics.median(run.get(name, 0.0) for run in backward_runs) for name in interpreter.order
-    }
+        if spec is None:
+            forward_ms, backward_ms = _measured_times(
+                graph_module, inputs, loss_fn, targets, interpreter.order
+            )
+    if spec is not None:
+        forward_ms = {
+            name: analytic_forward_ms(record.forward_flops, record.moved_bytes, spec)
+            for name, record in interpreter.records.items()
+        }
+        backward_ms = {name: BACKWARD_FACTOR * time_ms for name, time_ms in forward_ms.items()}
     gradient_bytes = sum(record.parameter_gradient_bytes for record in interpreter.records.values())
     static, _ = _static_bytes(model, inputs, gradient_bytes, optimizer)
     static = dataclasses.replace(
@@ -562,6 +600,43 @@ def _forbid_replaying_mutated_inputs(interpreter: _ProfilingInterpreter) -> None
             for record in records[start : writer_index + 1]:
                 if storage in record.reads or storage in record.saves:
                     record.checkpointable = False
+
+
+def _cost_spec(
+    model: torch.nn.Module, inputs: tuple[Any, ...], cost_model: str, device: str | DeviceSpec | None
+) -> DeviceSpec | None:
+    """The device spec of the analytic cost model, or None to measure times."""
+    on_meta = any(t.is_meta for t in [*model.parameters(), *tensors_in(inputs)])
+    if cost_model == "measured":
+        if on_meta:
+            raise ValueError(
+                "a model on the meta device cannot be timed; pass cost_model='analytic' and the "
+                "device to plan for, e.g. device='h100'"
+            )
+        return None
+    if cost_model != "analytic":
+        raise ValueError(f"cost_model={cost_model!r} is not known; use 'measured' or 'analytic'")
+    if device is None:
+        raise ValueError("cost_model='analytic' needs device= (one of 'h100', 'a100', 'cpu' or a DeviceSpec)")
+    return device_spec(device)
+
+
+def _measured_times(
+    graph_module: fx.GraphModule,
+    inputs: tuple[Any, ...],
+    loss_fn: Callable[[Any], torch.Tensor],
+    targets: list[torch.Tensor],
+    order: list[str],
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median per-node forward and backward times of `TIMING_REPEATS` untracked profiling steps."""
+    forward_runs, backward_runs = [], []
+    for _ in range(TIMING_REPEATS):
+        timed, clock = _profile_step(graph_module, inputs, loss_fn, targets, None)
+        forward_runs.append(timed.forward_ms)
+        backward_runs.append(clock.backward_ms)
+    forward_ms = {name: statistics.median(run.get(name, 0.0) for run in forward_runs) for name in order}
+    backward_ms = {name: statistics.median(run.get(name, 0.0) for run in backward_runs) for name in order}
+    return forward_ms, backward_ms
 
 
 def _constant_bytes(graph_module: fx.GraphModule, model: torch.nn.Module) -> int:

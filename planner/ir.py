@@ -64,6 +64,10 @@ class Node:
     allocated_bytes: int = 0
     """Every storage the node's operators allocate, freed inside the node or not: what a selective
     checkpoint policy caches when it keeps this node (see NOTE [selective keeps] in simulate.py)."""
+    forward_flops: int = 0
+    """FLOPs of the forward as `torch.utils.flop_counter` counts them (matmuls, convolutions)."""
+    moved_bytes: int = 0
+    """Bytes of the tensors the forward reads and writes: the memory-bound part of its cost."""
     random: bool = False
     stateful: bool = False
     in_place: bool = False

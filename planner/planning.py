@@ -16,6 +16,7 @@ from planner.graph_build import build_activation_graph
 from planner.ir import ActivationGraph
 from planner.measurement import MeasuredStep, OptimizerSpec, default_loss, measure_step, tensors_in
 from planner.plan import Plan
+from planner.profile import DeviceSpec
 from planner.rewrite import rewrite
 from planner.solvers import lowest_peak, solve
 
@@ -85,8 +86,14 @@ def optimize(
     optimizer: OptimizerSpec = "adam",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver: str = "auto",
+    cost_model: str = "measured",
+    device: str | DeviceSpec | None = None,
 ) -> Plan:
     """Plan activation checkpointing so one training step of `model` fits the budget.
+
+    Per-node times are measured on the model's device (`cost_model="measured"`) or priced by FLOPs
+    and bytes on a named device (`cost_model="analytic", device="h100"`), which also plans a model
+    built on the meta device without allocating it.
 
     The example call is `model(*example_inputs, **example_kwargs)`. The budget is the whole step:
     parameters, gradients, optimizer state, inputs, activations and workspace. `loss_fn(output) ->
@@ -102,7 +109,13 @@ def optimize(
     captured = capture(model, inputs, example_kwargs)
     log.info("captured %d nodes by %s", len(captured.graph_module.graph.nodes), captured.path)
     graph = build_activation_graph(
-        captured, model, captured.inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer
+        captured,
+        model,
+        captured.inputs,
+        loss_fn=loss_fn or default_loss,
+        optimizer=optimizer,
+        cost_model=cost_model,
+        device=device,
     )
     log.info("profiled %d nodes in %.1f s", len(graph.nodes), time.perf_counter() - started)
     plan = plan_graph(graph, budget_bytes=budget, solver=solver)

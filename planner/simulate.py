@@ -43,6 +43,7 @@ from planner.ir import (
 )
 
 __all__ = [
+    "LiveBytes",
     "Replay",
     "cache_name",
     "cached_storages",
@@ -136,6 +137,42 @@ class Replay:
         return max(self.points_bytes, default=0)
 
 
+class LiveBytes:
+    """Storages alive at a moment, with their running total; each leaves after a set step.
+
+    Steps count up in forward and replay and down in backward (`descending=True`); a storage whose
+    step has passed when it is added leaves after the current step. This keeps timelines O(nodes)
+    where re-summing the live set at every node would be O(nodes^2) on long regions.
+    """
+
+    def __init__(self, sizes: dict[str, int], *, descending: bool = False) -> None:
+        self.sizes = sizes
+        self.descending = descending
+        self.names: set[str] = set()
+        self.total_bytes = 0
+        self._leaving: dict[int, list[str]] = {}
+
+    def add(self, name: str, leaves_after: int | None, current: int) -> None:
+        """Make `name` live until after step `leaves_after` (None: until removed by hand)."""
+        if name in self.names:
+            return
+        self.names.add(name)
+        self.total_bytes += self.sizes[name.removesuffix("@replay")]
+        if leaves_after is not None:
+            step = min(leaves_after, current) if self.descending else max(leaves_after, current)
+            self._leaving.setdefault(step, []).append(name)
+
+    def remove(self, name: str) -> None:
+        if name in self.names:
+            self.names.discard(name)
+            self.total_bytes -= self.sizes[name.removesuffix("@replay")]
+
+    def finish(self, step: int) -> None:
+        """Drop what leaves after `step`."""
+        for name in self._leaving.pop(step, ()):
+            self.remove(name)
+
+
 def replay_region(
     graph: ActivationGraph, region: Region, trigger: int, last_read: dict[str, int], sizes: dict[str, int]
 ) -> Replay:
@@ -146,24 +183,29 @@ def replay_region(
         for name in graph.nodes[index].saves:
             if name in made:
                 kept[name] = min(index, kept.get(name, index))
+
+    def leaves_after(name: str, current: int) -> int | None:
+        return None if name in kept else min(last_read.get(name, current), trigger)
+
+    live = LiveBytes(sizes)
+    for index in region.keep:
+        live.add(cache_name(graph, index), index, region.start)
+        for name in graph.nodes[index].creates:
+            live.add(name, leaves_after(name, region.start), region.start)
     keep = set(region.keep)
-    live = cached_storages(graph, region)
     points: list[int] = []
     recompute_ms = 0.0
     for index in range(region.start, trigger + 1):
         node = graph.nodes[index]
         if index in keep:
-            points.append(_bytes(sizes, live))
-            live.discard(cache_name(graph, index))
+            points.append(live.total_bytes)
         else:
-            points.append(_bytes(sizes, live) + _bytes(sizes, node.creates) + node.forward_workspace_bytes)
-            live.update(node.creates)
+            created_bytes = sum(sizes[name] for name in node.creates if name not in live.names)
+            points.append(live.total_bytes + created_bytes + node.forward_workspace_bytes)
+            for name in node.creates:
+                live.add(name, leaves_after(name, index), index)
             recompute_ms += node.forward_ms
-        live = {
-            name
-            for name in live
-            if name in kept or name.endswith("#cache") or min(last_read.get(name, index), trigger) > index
-        }
+        live.finish(index)
     return Replay(points_bytes=tuple(points), kept=kept, recompute_ms=recompute_ms)
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from planner.ir import ActivationGraph, Region, RegionPolicy
 from planner.simulate import (
+    LiveBytes,
     cache_name,
     cached_storages,
     held_storages,
@@ -129,15 +130,23 @@ def _bytes(chain: Chain, names: Iterable[str]) -> int:
 def _forward_points(chain: Chain, region: Region, inputs: set[str], retained: set[str]) -> list[int]:
     graph = chain.graph
     keep = set(region.keep)
-    live = set(inputs)
+    live = LiveBytes(chain.sizes)
+
+    def leaves_after(name: str) -> int | None:
+        return None if name in retained else chain.last_read.get(name, -1)
+
+    for name in inputs:
+        live.add(name, leaves_after(name), region.start)
     points = []
     for index in range(region.start, region.stop):
         node = graph.nodes[index]
-        points.append(_bytes(chain, live) + _bytes(chain, node.creates) + node.forward_workspace_bytes)
-        live.update(node.creates)
+        created_bytes = sum(chain.sizes[name] for name in node.creates if name not in live.names)
+        points.append(live.total_bytes + created_bytes + node.forward_workspace_bytes)
+        for name in node.creates:
+            live.add(name, leaves_after(name), index)
         if index in keep:
-            live.add(cache_name(graph, index))
-        live = {name for name in live if name in retained or chain.last_read.get(name, -1) > index}
+            live.add(cache_name(graph, index), None, index)
+        live.finish(index)
     return points
 
 
@@ -147,19 +156,26 @@ def _backward_points(
     """Live bytes at the replay (if any) and at each backward node of the region, and recompute time."""
     graph = chain.graph
     trigger = recompute_trigger(graph, region) if region.policy is RegionPolicy.CHECKPOINT else None
-    pending = {**dict.fromkeys(cached, -1), **held}
+    last = region.stop - 1
+    pending = LiveBytes(chain.sizes, descending=True)
+    for name in cached:
+        pending.add(name, None, last)
+    for name, at in held.items():
+        pending.add(name, at, last)
     points: list[int] = []
     recompute_ms = 0.0
-    for index in range(region.stop - 1, region.start - 1, -1):
+    for index in range(last, region.start - 1, -1):
         flowing = chain.gradient_bytes_from[index] + graph.nodes[index].backward_workspace_bytes
         if index == trigger:
-            pending = {name: at for name, at in pending.items() if name not in cached}
+            for name in cached:
+                pending.remove(name)
             replay = replay_region(graph, region, trigger, chain.last_read, chain.sizes)
-            points.extend(_bytes(chain, pending) + point + flowing for point in replay.points_bytes)
-            pending.update({f"{name}@replay": at for name, at in replay.kept.items()})
+            points.extend(pending.total_bytes + point + flowing for point in replay.points_bytes)
+            for name, at in replay.kept.items():
+                pending.add(f"{name}@replay", at, index)
             recompute_ms = replay.recompute_ms
-        points.append(_bytes(chain, pending) + flowing)
-        pending = {name: at for name, at in pending.items() if at < index}
+        points.append(pending.total_bytes + flowing)
+        pending.finish(index)
     return points, recompute_ms
 
 

@@ -68,9 +68,23 @@ def _prune(partials: list[_Partial], key: Callable[[_Partial], float]) -> list[_
             kept.append(partial)
             best = key(partial)
     if len(kept) > MAX_FRONTIER:
-        stride = len(kept) / MAX_FRONTIER
-        kept = [kept[int(i * stride)] for i in range(MAX_FRONTIER)]
+        kept = _thin(kept)
     return kept
+
+
+def _thin(frontier: list[_Partial]) -> list[_Partial]:
+    """At most MAX_FRONTIER partials: the best (last) one per band of retained bytes.
+
+    The frontier is sorted by retained bytes with `key` falling, so the last partial of each band is
+    its best; both ends survive (least retained, best key), so thinning never loses the answer when
+    memory is plentiful.
+    """
+    low, high = frontier[0].retained_bytes, frontier[-1].retained_bytes
+    width = (high - low) / MAX_FRONTIER or 1.0
+    best_in_band: dict[int, _Partial] = {}
+    for partial in frontier:
+        best_in_band[int((partial.retained_bytes - low) / width)] = partial
+    return [frontier[0], *(p for p in best_in_band.values() if p is not frontier[0])]
 
 
 def _search(

@@ -1,0 +1,863 @@
+"""Fidelity benchmark: does a plan fit its budget, predict its own peak, and beat hand-written checkpointing?
+
+Why it exists: the planner's promise is quantitative (measured peak <= budget, predicted peak within 5 % of
+measured, `optimize()` in seconds, and no slower than what users write by hand at the same memory). This
+script measures each of those on every model of `planner.zoo.FIDELITY_ZOO`, in one run, and reports them
+as they are; it asserts nothing, so a missed target shows up as a row, not as a crash.
+
+Per model it records:
+
+1. the wall time of `planner.optimize` at a mid budget, and the plan's facts;
+2. a budget sweep between the predicted lowest peak and the predicted no-checkpointing peak: the
+   predicted and measured peak at each budget, the relative error and whether the measurement fits;
+3. two hand-written peers, each on a deep copy of the model: "sqrt(n) segments" (what
+   `torch.utils.checkpoint.checkpoint_sequential` does) and "every block" (what
+   `gradient_checkpointing_enable` does, via `checkpoint_wrapper`). Each peer's loss, gradients and
+   buffers are compared with the unmodified model's; then our plan is made with the peer's measured peak
+   as its budget, and the two (plus the unmodified model) are timed in interleaved training steps.
+
+Peak bytes come from `planner.measure` (two real Adam training steps, live tensor storages on the CPU,
+`max_memory_allocated` on a GPU). Step times are medians over interleaved rounds, each round running one
+step of every variant in a rotating order, so that drift in the machine's speed hits all variants alike.
+
+Run from the repository root:
+
+    .venv/bin/python bench/fidelity.py                      # everything: ~9.5 CPU-minutes
+    .venv/bin/python bench/fidelity.py --quick              # 3 budgets, 3 timing rounds: ~7.5 CPU-minutes
+
+(On a 2-core machine that other jobs kept at load 5-9, those took 17.6 and 16.2 minutes of wall time;
+`optimize()` profiling and seed003_feedforward's ~1 s steps dominate either way.)
+    .venv/bin/python bench/fidelity.py --models gpt_tiny,seed000_mlp --out /tmp/fidelity.json
+
+Results: JSON at `--out` (default `bench/results/fidelity.json`, or `fidelity_quick.json` with `--quick`)
+and the markdown tables beside it (same name, `.md`), also printed to stdout. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.utils.checkpoint import checkpoint_sequential
+
+import planner
+from planner import zoo
+from planner.measurement import default_loss
+
+log = logging.getLogger("bench.fidelity")
+
+RESULTS_DIRECTORY = Path(__file__).resolve().parent / "results"
+REFERENCE_BUDGET_BYTES = 2**40
+"""A budget every plan fits: its plan reports the predicted lowest and no-checkpointing peaks."""
+FRACTIONS = (0.0, 0.25, 0.5, 0.75, 0.9)
+QUICK_FRACTIONS = (0.1, 0.5, 0.9)
+MID_FRACTION = 0.5
+"""Budget fraction whose `optimize()` call is the reported wall time (in both fraction lists)."""
+TIMING_ROUNDS = 7
+QUICK_TIMING_ROUNDS = 3
+WARMUP_STEPS = 2
+PREDICTION_TOLERANCE = 0.05
+OPTIMIZE_TARGET_S = 10.0
+OPTIMIZE_TARGET_MODEL = "gpt_tiny"
+GRADIENT_RTOL = 1e-5
+STEP_SEED = 1234
+"""Seed set before each compared forward, so dropout draws the same masks in every variant."""
+MIN_CONTAINER_CHILDREN = 3
+MIB = 2**20
+SQRT_SEGMENTS = "sqrt(n) segments"
+EVERY_BLOCK = "every block"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A model variant and, in the unmodified model's order, the parameters and buffers it trains."""
+
+    module: nn.Module
+    parameters: tuple[nn.Parameter, ...]
+    buffers: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Loss, gradients (parameters, then inputs) and buffers after one forward and backward."""
+
+    loss: torch.Tensor
+    gradients: tuple[torch.Tensor | None, ...]
+    buffers: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class BlockContainer:
+    """Where a model's repeated blocks live: a Sequential, a ModuleList, or the root's own children."""
+
+    path: str
+    kind: str
+    child_names: tuple[str, ...]
+
+
+@dataclass
+class SweepPoint:
+    fraction: float
+    budget_bytes: int
+    optimize_s: float
+    model_unchanged_by_optimize: bool
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    relative_error: float | None = None
+    fits: bool | None = None
+    predicted_overhead: float | None = None
+    checkpointed_regions: int | None = None
+    solver: str | None = None
+    infeasible_min_peak_bytes: int | None = None
+
+
+@dataclass
+class StepTiming:
+    rounds: int
+    ours_step_ms: float | None
+    peer_step_ms: float
+    none_step_ms: float
+    ratio_ours_to_peer: float | None
+    peer_overhead_vs_none: float
+    ours_overhead_vs_none: float | None
+
+
+@dataclass
+class PeerComparison:
+    peer: str
+    description: str
+    not_applicable: str | None = None
+    gradients_equal: bool | None = None
+    gradient_mismatch: str | None = None
+    buffers_equal: bool | None = None
+    buffer_mismatch: str | None = None
+    peer_measured_peak_bytes: int | None = None
+    ours_budget_bytes: int | None = None
+    ours_infeasible_min_peak_bytes: int | None = None
+    ours_predicted_peak_bytes: int | None = None
+    ours_measured_peak_bytes: int | None = None
+    ours_checkpointed_regions: int | None = None
+    ours_gradients_equal: bool | None = None
+    ours_buffers_equal: bool | None = None
+    ours_not_above_peer: bool | None = None
+    timing: StepTiming | None = None
+
+
+@dataclass
+class ModelReport:
+    name: str
+    capture: str | None = None
+    solver: str | None = None
+    first_optimize_s: float | None = None
+    optimize_s: float | None = None
+    optimize_budget_bytes: int | None = None
+    mid_checkpointed_regions: int | None = None
+    model_unchanged_by_optimize: bool | None = None
+    lowest_predicted_peak_bytes: int | None = None
+    baseline_predicted_peak_bytes: int | None = None
+    baseline_measured_peak_bytes: int | None = None
+    sweep: list[SweepPoint] = field(default_factory=list)
+    peers: list[PeerComparison] = field(default_factory=list)
+    error: str | None = None
+
+
+def fresh_inputs(inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """Copies of the example inputs, so no variant sees another's `.grad` or in-place change."""
+    return tuple(
+        value.detach().clone().requires_grad_(value.requires_grad)
+        if isinstance(value, torch.Tensor)
+        else value
+        for value in inputs
+    )
+
+
+def variant_of(module: nn.Module) -> Variant:
+    return Variant(module=module, parameters=tuple(module.parameters()), buffers=tuple(module.buffers()))
+
+
+def copied_variant(variant: Variant) -> Variant:
+    """A deep copy of `variant` whose parameter and buffer lists still line up with the unmodified model's."""
+    memo: dict[int, Any] = {}
+    module = copy.deepcopy(variant.module, memo)
+    return Variant(
+        module=module,
+        parameters=tuple(memo[id(parameter)] for parameter in variant.parameters),
+        buffers=tuple(memo[id(buffer)] for buffer in variant.buffers),
+    )
+
+
+def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in module.state_dict().items()}
+
+
+def same_state(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> bool:
+    return before.keys() == after.keys() and all(torch.equal(before[key], after[key]) for key in before)
+
+
+def measured_peak_bytes(module: nn.Module, inputs: Sequence[Any]) -> int:
+    """Peak of two real training steps of a deep copy (measuring trains the model it is given)."""
+    return planner.measure(copy.deepcopy(module), fresh_inputs(inputs)).peak_bytes
+
+
+def timed_optimize(model: nn.Module, inputs: Sequence[Any], budget_bytes: int) -> tuple[planner.Plan, float]:
+    started_s = time.perf_counter()
+    plan = planner.optimize(model, inputs, budget_bytes=budget_bytes)
+    return plan, time.perf_counter() - started_s
+
+
+def budget_at(lowest_bytes: int, baseline_bytes: int, fraction: float) -> int:
+    return int(lowest_bytes + fraction * (baseline_bytes - lowest_bytes))
+
+
+def one_step(variant: Variant, inputs: Sequence[Any]) -> StepRecord:
+    """Forward and backward of a copy of `variant` under `STEP_SEED`."""
+    variant = copied_variant(variant)
+    step_inputs = fresh_inputs(inputs)
+    torch.manual_seed(STEP_SEED)
+    loss = default_loss(variant.module(*step_inputs))
+    loss.backward()
+    input_gradients = [
+        value.grad for value in step_inputs if isinstance(value, torch.Tensor) and value.requires_grad
+    ]
+    return StepRecord(
+        loss=loss.detach(),
+        gradients=tuple(p.grad for p in variant.parameters) + tuple(input_gradients),
+        buffers=tuple(buffer.detach().clone() for buffer in variant.buffers),
+    )
+
+
+def gradient_mismatch(expected: StepRecord, actual: StepRecord) -> str | None:
+    """Why the loss or a gradient differs beyond rtol `GRADIENT_RTOL`, or None when they match."""
+    try:
+        torch.testing.assert_close(actual.loss, expected.loss, rtol=GRADIENT_RTOL, atol=0.0)
+        for index, (want, got) in enumerate(zip(expected.gradients, actual.gradients, strict=True)):
+            if want is None or got is None:
+                if want is not got:
+                    return f"gradient {index}: one variant has no gradient"
+                continue
+            scale = want.abs().max().item() or 1.0
+            torch.testing.assert_close(got, want, rtol=GRADIENT_RTOL, atol=GRADIENT_RTOL * scale)
+    except AssertionError as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+def buffer_mismatch(expected: StepRecord, actual: StepRecord, names: Sequence[str]) -> str | None:
+    """Which buffers (BatchNorm statistics) differ after one step, or None when all are equal."""
+    differing = [
+        name
+        for name, want, got in zip(names, expected.buffers, actual.buffers, strict=True)
+        if not torch.equal(want, got)
+    ]
+    if not differing:
+        return None
+    return f"{len(differing)} of {len(names)} buffers differ after one step, first {differing[0]!r}"
+
+
+def find_block_container(model: nn.Module) -> BlockContainer:
+    """The root if it is a Sequential, else the Sequential/ModuleList with most children, else the root."""
+    if isinstance(model, nn.Sequential):
+        return BlockContainer(path="", kind="Sequential", child_names=tuple(model._modules))
+    candidates = [
+        (path, module)
+        for path, module in model.named_modules()
+        if isinstance(module, nn.Sequential | nn.ModuleList)
+    ]
+    if candidates:
+        path, module = max(candidates, key=lambda pair: len(pair[1]))
+        if len(module) >= MIN_CONTAINER_CHILDREN:
+            return BlockContainer(path=path, kind=type(module).__name__, child_names=tuple(module._modules))
+    return BlockContainer(path="", kind="root children", child_names=tuple(model._modules))
+
+
+def replace_submodule(root: nn.Module, path: str, replacement: nn.Module) -> nn.Module:
+    """Put `replacement` at `path` in `root`; returns the root (`replacement` itself when path is '')."""
+    if not path:
+        return replacement
+    parent_path, _, leaf = path.rpartition(".")
+    setattr(root.get_submodule(parent_path), leaf, replacement)
+    return root
+
+
+def chain_violation(model: nn.Module, container: BlockContainer, inputs: Sequence[Any]) -> str | None:
+    """Why the model's forward does not run the container's children as a chain x = child(x), or None.
+
+    Checked on a copy with forward hooks: each child must be called once, in order, with one positional
+    tensor that is the previous child's output. Only then can consecutive children be regrouped.
+    """
+    probe = copy.deepcopy(model)
+    parent = probe.get_submodule(container.path)
+    calls: list[tuple[str, tuple[Any, ...], Any]] = []
+
+    def recorder(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            calls.append((name, args, output))
+
+        return hook
+
+    handles = [getattr(parent, name).register_forward_hook(recorder(name)) for name in container.child_names]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            probe(*fresh_inputs(inputs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    called = tuple(name for name, _, _ in calls)
+    if called != container.child_names:
+        return f"the forward calls the blocks as {list(called)}, not once each in order"
+    for (_, _, previous_output), (name, args, _) in itertools.pairwise(calls):
+        if len(args) != 1 or args[0] is not previous_output:
+            return f"block {name!r} does not take the previous block's output alone (ops run between blocks)"
+    return None
+
+
+class CheckpointedSequential(nn.Module):
+    """An nn.Sequential run by `checkpoint_sequential`: `segments` segments, all but the last checkpointed."""
+
+    def __init__(self, sequential: nn.Sequential, segments: int) -> None:
+        super().__init__()
+        self.sequential = sequential
+        self.segments = segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_sequential(self.sequential, self.segments, x, use_reentrant=False)
+
+
+def sqrt_segments(block_count: int) -> int:
+    return max(1, round(math.sqrt(block_count)))
+
+
+def grouped_module_list(blocks: nn.ModuleList, segments: int) -> nn.ModuleList:
+    """The blocks regrouped as `checkpoint_sequential` would: equal checkpointed segments, then the rest."""
+    children = list(blocks)
+    size = len(children) // segments
+    groups: list[nn.Module] = [
+        checkpoint_wrapper(
+            nn.Sequential(*children[start : start + size]), checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        )
+        for start in range(0, size * (segments - 1), size)
+    ]
+    groups.append(nn.Sequential(*children[size * (segments - 1) :]))
+    return nn.ModuleList(groups)
+
+
+def sqrt_segments_peer(model: nn.Module, inputs: Sequence[Any]) -> tuple[Variant | None, str]:
+    """The "sqrt(n) segments" peer on a deep copy, or None and the reason it does not apply."""
+    container = find_block_container(model)
+    block_count = len(container.child_names)
+    segments = sqrt_segments(block_count)
+    where = f"{container.kind} {container.path or '<root>'} ({block_count} blocks, {segments} segments)"
+    if container.kind == "root children":
+        return None, (
+            f"{type(model).__name__} has no Sequential/ModuleList of >= {MIN_CONTAINER_CHILDREN} blocks; its "
+            f"forward calls {list(container.child_names)} by name, so grouping them needs a rewritten forward"
+        )
+    if container.kind == "ModuleList":
+        violation = chain_violation(model, container, inputs)
+        if violation is not None:
+            return None, f"{where}: {violation}"
+    variant = variant_of(copy.deepcopy(model))
+    blocks = variant.module.get_submodule(container.path)
+    if isinstance(blocks, nn.Sequential):
+        replacement: nn.Module = CheckpointedSequential(blocks, segments)
+        description = f"checkpoint_sequential over {where}"
+    else:
+        assert isinstance(blocks, nn.ModuleList)
+        replacement = grouped_module_list(blocks, segments)
+        description = f"checkpoint_wrapper on each of the first {segments - 1} equal groups of {where}"
+    module = replace_submodule(variant.module, container.path, replacement)
+    return Variant(module=module, parameters=variant.parameters, buffers=variant.buffers), description
+
+
+def every_block_peer(model: nn.Module) -> tuple[Variant, str]:
+    """The "every block" peer: each child of the block container wrapped by `checkpoint_wrapper`."""
+    container = find_block_container(model)
+    variant = variant_of(copy.deepcopy(model))
+    parent = variant.module.get_submodule(container.path)
+    for name in container.child_names:
+        wrapped = checkpoint_wrapper(getattr(parent, name), checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        setattr(parent, name, wrapped)
+    description = (
+        f"checkpoint_wrapper(NO_REENTRANT) on each of {len(container.child_names)} children of "
+        f"{container.kind} {container.path or '<root>'}"
+    )
+    return variant, description
+
+
+@dataclass
+class Contender:
+    """One variant being timed: its own module copy, Adam optimizer and inputs."""
+
+    name: str
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    inputs: tuple[Any, ...]
+    step_ms: list[float] = field(default_factory=list)
+
+
+def contender(name: str, module: nn.Module, inputs: Sequence[Any]) -> Contender:
+    copied = copy.deepcopy(module)
+    # The same optimizer `planner.measure` builds for optimizer="adam".
+    optimizer = torch.optim.Adam([p for p in copied.parameters() if p.requires_grad], lr=1e-3)
+    return Contender(name=name, module=copied, optimizer=optimizer, inputs=fresh_inputs(inputs))
+
+
+def training_step_ms(runner: Contender) -> float:
+    """One training step as `planner.measure` runs it: zero_grad, forward, default loss, backward, Adam."""
+    started_s = time.perf_counter()
+    runner.optimizer.zero_grad(set_to_none=True)
+    for value in runner.inputs:
+        if isinstance(value, torch.Tensor):
+            value.grad = None
+    loss = default_loss(runner.module(*runner.inputs))
+    loss.backward()
+    runner.optimizer.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started_s) * 1e3
+
+
+def interleaved_step_ms(runners: Sequence[Contender], *, rounds: int) -> None:
+    """Warm up each runner, then time `rounds` rounds of one step each, cycling through every order."""
+    for runner in runners:
+        for _ in range(WARMUP_STEPS):
+            training_step_ms(runner)
+    orders = list(itertools.permutations(runners))
+    for round_index in range(rounds):
+        for runner in orders[round_index % len(orders)]:
+            runner.step_ms.append(training_step_ms(runner))
+
+
+def paired_ratio(numerator: Contender, denominator: Contender) -> float:
+    """Median over rounds of the per-round step-time ratio (robust to drift between rounds)."""
+    return statistics.median(a / b for a, b in zip(numerator.step_ms, denominator.step_ms, strict=True))
+
+
+def time_against_peer(
+    ours: nn.Module | None, peer: nn.Module, unmodified: nn.Module, inputs: Sequence[Any], *, rounds: int
+) -> StepTiming:
+    peer_runner = contender("peer", peer, inputs)
+    none_runner = contender("none", unmodified, inputs)
+    ours_runner = contender("ours", ours, inputs) if ours is not None else None
+    runners = [r for r in (ours_runner, peer_runner, none_runner) if r is not None]
+    interleaved_step_ms(runners, rounds=rounds)
+    return StepTiming(
+        rounds=rounds,
+        ours_step_ms=statistics.median(ours_runner.step_ms) if ours_runner else None,
+        peer_step_ms=statistics.median(peer_runner.step_ms),
+        none_step_ms=statistics.median(none_runner.step_ms),
+        ratio_ours_to_peer=paired_ratio(ours_runner, peer_runner) if ours_runner else None,
+        peer_overhead_vs_none=paired_ratio(peer_runner, none_runner) - 1.0,
+        ours_overhead_vs_none=paired_ratio(ours_runner, none_runner) - 1.0 if ours_runner else None,
+    )
+
+
+def compare_with_peer(
+    name: str,
+    built: tuple[Variant | None, str],
+    model: nn.Module,
+    inputs: Sequence[Any],
+    reference: StepRecord,
+    *,
+    rounds: int,
+) -> PeerComparison:
+    peer, description = built
+    if peer is None:
+        log.info("  %s: not applicable: %s", name, description)
+        return PeerComparison(peer=name, description="", not_applicable=description)
+    result = PeerComparison(peer=name, description=description)
+    peer_step = one_step(peer, inputs)
+    result.gradient_mismatch = gradient_mismatch(reference, peer_step)
+    result.gradients_equal = result.gradient_mismatch is None
+    buffer_names = [name for name, _ in model.named_buffers()]
+    result.buffer_mismatch = buffer_mismatch(reference, peer_step, buffer_names)
+    result.buffers_equal = result.buffer_mismatch is None
+    result.peer_measured_peak_bytes = measured_peak_bytes(peer.module, inputs)
+    result.ours_budget_bytes = result.peer_measured_peak_bytes
+    source = variant_of(copy.deepcopy(model))
+    try:
+        plan, _ = timed_optimize(source.module, inputs, result.ours_budget_bytes)
+    except planner.InfeasibleBudget as error:
+        # NOTE [infeasible at the peer's peak]: the comparison row stays "infeasible"; we still plan at
+        # the lowest budget the planner accepts, because its *measured* peak may reach the peer's.
+        result.ours_infeasible_min_peak_bytes = error.min_peak_bytes
+        result.ours_budget_bytes = error.min_peak_bytes
+        plan, _ = timed_optimize(source.module, inputs, error.min_peak_bytes)
+    assert plan.module is not None
+    ours = plan.module
+    result.ours_predicted_peak_bytes = plan.predicted_peak_bytes
+    result.ours_checkpointed_regions = len(plan.regions)
+    result.ours_measured_peak_bytes = measured_peak_bytes(ours, inputs)
+    result.ours_not_above_peer = result.ours_measured_peak_bytes <= result.peer_measured_peak_bytes
+    ours_step = one_step(Variant(ours, source.parameters, source.buffers), inputs)
+    result.ours_gradients_equal = gradient_mismatch(reference, ours_step) is None
+    result.ours_buffers_equal = buffer_mismatch(reference, ours_step, buffer_names) is None
+    result.timing = time_against_peer(ours, peer.module, model, inputs, rounds=rounds)
+    log.info(
+        "  %s: peer %.2f MiB, ours %s, step ratio ours/peer %s",
+        name,
+        result.peer_measured_peak_bytes / MIB,
+        mib(result.ours_measured_peak_bytes),
+        fmt(result.timing.ratio_ours_to_peer, ".3f"),
+    )
+    return result
+
+
+def sweep_point(model: nn.Module, inputs: Sequence[Any], *, fraction: float, budget_bytes: int) -> SweepPoint:
+    before = state_of(model)
+    started_s = time.perf_counter()
+    try:
+        plan, optimize_s = timed_optimize(model, inputs, budget_bytes)
+    except planner.InfeasibleBudget as error:
+        return SweepPoint(
+            fraction=fraction,
+            budget_bytes=budget_bytes,
+            optimize_s=time.perf_counter() - started_s,
+            model_unchanged_by_optimize=same_state(before, state_of(model)),
+            infeasible_min_peak_bytes=error.min_peak_bytes,
+        )
+    assert plan.module is not None
+    measured = measured_peak_bytes(plan.module, inputs)
+    point = SweepPoint(
+        fraction=fraction,
+        budget_bytes=budget_bytes,
+        optimize_s=optimize_s,
+        model_unchanged_by_optimize=same_state(before, state_of(model)),
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        measured_peak_bytes=measured,
+        relative_error=(plan.predicted_peak_bytes - measured) / measured,
+        fits=measured <= budget_bytes,
+        predicted_overhead=plan.predicted_overhead,
+        checkpointed_regions=len(plan.regions),
+        solver=plan.solver,
+    )
+    log.info(
+        "  f=%.2f budget %.2f MiB: predicted %.2f, measured %.2f MiB (%+.2f %%), %d regions, optimize %.2f s",
+        fraction,
+        budget_bytes / MIB,
+        plan.predicted_peak_bytes / MIB,
+        measured / MIB,
+        100 * (plan.predicted_peak_bytes - measured) / measured,
+        len(plan.regions),
+        optimize_s,
+    )
+    return point
+
+
+def benchmark_model(name: str, *, fractions: Sequence[float], rounds: int) -> ModelReport:
+    report = ModelReport(name=name)
+    model, inputs = zoo.build_model(name)
+    log.info("%s: reference plan", name)
+    reference_plan, report.first_optimize_s = timed_optimize(
+        copy.deepcopy(model), inputs, REFERENCE_BUDGET_BYTES
+    )
+    lowest, baseline = reference_plan.min_peak_bytes, reference_plan.baseline_peak_bytes
+    report.lowest_predicted_peak_bytes, report.baseline_predicted_peak_bytes = lowest, baseline
+    report.capture, report.solver = reference_plan.capture, reference_plan.solver
+    report.baseline_measured_peak_bytes = measured_peak_bytes(model, inputs)
+
+    for fraction in fractions:
+        budget = budget_at(lowest, baseline, fraction)
+        report.sweep.append(sweep_point(copy.deepcopy(model), inputs, fraction=fraction, budget_bytes=budget))
+    report.model_unchanged_by_optimize = all(point.model_unchanged_by_optimize for point in report.sweep)
+    mid = next(point for point in report.sweep if point.fraction == MID_FRACTION)
+    report.optimize_s, report.optimize_budget_bytes = mid.optimize_s, mid.budget_bytes
+    report.mid_checkpointed_regions = mid.checkpointed_regions
+
+    reference_step = one_step(variant_of(model), inputs)
+    peers = (
+        (SQRT_SEGMENTS, sqrt_segments_peer(model, inputs)),
+        (EVERY_BLOCK, every_block_peer(model)),
+    )
+    for peer_name, built in peers:
+        report.peers.append(compare_with_peer(peer_name, built, model, inputs, reference_step, rounds=rounds))
+    return report
+
+
+def mib(size_bytes: int | None) -> str:
+    return "—" if size_bytes is None else f"{size_bytes / MIB:.2f}"
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None or math.isnan(value) else format(value, spec)
+
+
+def yes_no(value: bool | None) -> str:
+    return "—" if value is None else ("yes" if value else "**no**")
+
+
+def fidelity_table(reports: Sequence[ModelReport]) -> list[str]:
+    lines = [
+        "| model | f | budget MiB | predicted MiB | measured MiB | error % | fits |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for report in reports:
+        if report.error:
+            lines.append(f"| {report.name} | error: {report.error} | | | | | |")
+            continue
+        baseline_error = None
+        if report.baseline_predicted_peak_bytes and report.baseline_measured_peak_bytes:
+            baseline_error = report.baseline_predicted_peak_bytes / report.baseline_measured_peak_bytes - 1
+        lines.append(
+            f"| {report.name} | none | — | {mib(report.baseline_predicted_peak_bytes)} | "
+            f"{mib(report.baseline_measured_peak_bytes)} | {fmt(pct(baseline_error), '+.2f')} | — |"
+        )
+        for point in report.sweep:
+            if point.infeasible_min_peak_bytes is not None:
+                predicted = f"infeasible (min {mib(point.infeasible_min_peak_bytes)})"
+            else:
+                predicted = mib(point.predicted_peak_bytes)
+            lines.append(
+                f"| {report.name} | {point.fraction:.2f} | {mib(point.budget_bytes)} | {predicted} | "
+                f"{mib(point.measured_peak_bytes)} | {fmt(pct(point.relative_error), '+.2f')} | "
+                f"{yes_no(point.fits)} |"
+            )
+    return lines
+
+
+def pct(fraction: float | None) -> float | None:
+    return None if fraction is None else 100 * fraction
+
+
+def percent(fraction: float | None) -> str:
+    return "—" if fraction is None else f"{100 * fraction:+.1f} %"
+
+
+def peers_table(reports: Sequence[ModelReport]) -> list[str]:
+    lines = [
+        "| model | peer | grads equal | peer measured MiB | ours measured MiB | ours <= peer | "
+        "step-time ratio ours/peer | peer overhead vs none | ours overhead vs none |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for report in reports:
+        for peer in report.peers:
+            if peer.not_applicable:
+                lines.append(
+                    f"| {report.name} | {peer.peer} | not applicable: {peer.not_applicable} | | | | | | |"
+                )
+                continue
+            timing = peer.timing
+            grads = yes_no(peer.gradients_equal)
+            if peer.buffers_equal is False:
+                grads += " (buffers differ)"
+            ours = mib(peer.ours_measured_peak_bytes)
+            if peer.ours_infeasible_min_peak_bytes is not None:
+                ours += (
+                    f" (peer's peak infeasible; planned at min {mib(peer.ours_infeasible_min_peak_bytes)})"
+                )
+            lines.append(
+                f"| {report.name} | {peer.peer} | {grads} | {mib(peer.peer_measured_peak_bytes)} | {ours} | "
+                f"{yes_no(peer.ours_not_above_peer)} | "
+                f"{fmt(timing.ratio_ours_to_peer if timing else None, '.3f')} | "
+                f"{percent(timing.peer_overhead_vs_none if timing else None)} | "
+                f"{percent(timing.ours_overhead_vs_none if timing else None)} |"
+            )
+    return lines
+
+
+def optimize_table(reports: Sequence[ModelReport]) -> list[str]:
+    lines = [
+        "| model | capture | solver | regions at mid budget | optimize() s at mid budget | first call s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for report in reports:
+        lines.append(
+            f"| {report.name} | {report.capture or '—'} | {report.solver or '—'} | "
+            f"{report.mid_checkpointed_regions if report.mid_checkpointed_regions is not None else '—'} | "
+            f"{fmt(report.optimize_s, '.2f')} | {fmt(report.first_optimize_s, '.2f')} |"
+        )
+    return lines
+
+
+def target_misses(reports: Sequence[ModelReport]) -> list[str]:
+    """One line per row that misses a target; the benchmark reports, it does not assert."""
+    misses = []
+    for report in reports:
+        if report.error:
+            misses.append(f"- {report.name}: the benchmark failed: {report.error}")
+        for point in report.sweep:
+            if point.fits is False:
+                misses.append(
+                    f"- {report.name} f={point.fraction:.2f}: measured {mib(point.measured_peak_bytes)} "
+                    f"MiB > budget {mib(point.budget_bytes)} MiB"
+                )
+            if point.relative_error is not None and abs(point.relative_error) > PREDICTION_TOLERANCE:
+                misses.append(
+                    f"- {report.name} f={point.fraction:.2f}: prediction error "
+                    f"{100 * point.relative_error:+.2f} % (target ±{100 * PREDICTION_TOLERANCE:.0f} %)"
+                )
+        if report.model_unchanged_by_optimize is False:
+            misses.append(f"- {report.name}: optimize() changed the model's parameters or buffers")
+        if report.name == OPTIMIZE_TARGET_MODEL and report.optimize_s is not None:
+            if report.optimize_s > OPTIMIZE_TARGET_S:
+                misses.append(
+                    f"- {report.name}: optimize() took {report.optimize_s:.2f} s "
+                    f"(target <= {OPTIMIZE_TARGET_S:.0f} s)"
+                )
+        for peer in report.peers:
+            if peer.ours_infeasible_min_peak_bytes is not None:
+                misses.append(
+                    f"- {report.name} vs {peer.peer}: optimize() finds no plan for the peer's "
+                    f"{mib(peer.peer_measured_peak_bytes)} MiB (predicted min "
+                    f"{mib(peer.ours_infeasible_min_peak_bytes)} MiB; that plan measured "
+                    f"{mib(peer.ours_measured_peak_bytes)} MiB)"
+                )
+            if peer.ours_not_above_peer is False:
+                misses.append(
+                    f"- {report.name} vs {peer.peer}: ours measured {mib(peer.ours_measured_peak_bytes)} "
+                    f"MiB > peer {mib(peer.peer_measured_peak_bytes)} MiB"
+                )
+            ratio = peer.timing.ratio_ours_to_peer if peer.timing else None
+            if ratio is not None and ratio > 1.0:
+                misses.append(f"- {report.name} vs {peer.peer}: ours' step time is {ratio:.3f}x the peer's")
+            if peer.gradients_equal is False:
+                misses.append(f"- {report.name} {peer.peer}: peer gradients differ: {peer.gradient_mismatch}")
+            if peer.ours_gradients_equal is False:
+                misses.append(
+                    f"- {report.name} vs {peer.peer}: OUR gradients differ from the unmodified model's"
+                )
+            if peer.ours_buffers_equal is False:
+                misses.append(
+                    f"- {report.name} vs {peer.peer}: OUR buffers differ from the unmodified model's"
+                )
+    return misses or ["- none"]
+
+
+def markdown(reports: Sequence[ModelReport], *, quick: bool, context: dict[str, Any]) -> str:
+    mode = "quick" if quick else "full"
+    load = ", ".join(f"{value:.1f}" for value in context["load_average_1_5_15_min"])
+    sections = [
+        f"# Fidelity benchmark ({mode} run)",
+        "",
+        f"{context['cpu_count']} CPUs, torch {context['torch_version']}, Python {context['python_version']}; "
+        f"load average at start {load} (1/5/15 min): step times are only as clean as the machine was idle.",
+        "",
+        "## Fidelity: measured vs predicted peak across budgets",
+        "",
+        "Budget = lowest + f x (baseline - lowest), both predicted; `none` is the unmodified model. "
+        "Error = (predicted - measured) / measured.",
+        "",
+        *fidelity_table(reports),
+        "",
+        "## Against hand-written checkpointing at equal or lower measured memory",
+        "",
+        "Ours is planned with the peer's measured peak as its budget. Step times: median of per-round "
+        "ratios over interleaved training steps (Adam, default loss).",
+        "",
+        *peers_table(reports),
+        "",
+        "## optimize() wall time",
+        "",
+        *optimize_table(reports),
+        "",
+        "## Targets missed",
+        "",
+        *target_misses(reports),
+        "",
+    ]
+    return "\n".join(sections)
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "load_average_1_5_15_min": list(os.getloadavg()),
+    }
+
+
+def planner_revision() -> dict[str, Any]:
+    """The commit and uncommitted files of the checkout being measured (the package changes often)."""
+    repository = Path(__file__).resolve().parent.parent
+
+    def git(*arguments: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *arguments], cwd=repository, capture_output=True, text=True, check=True
+            )
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        return done.stdout.rstrip()
+
+    status = git("status", "--porcelain", "--", "planner")
+    return {"commit": git("rev-parse", "HEAD"), "uncommitted": status.splitlines() if status else []}
+
+
+def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--models", help=f"comma-separated subset of {','.join(zoo.FIDELITY_ZOO)}")
+    parser.add_argument("--quick", action="store_true", help="3 budgets and 3 timing rounds per model")
+    parser.add_argument("--out", type=Path, help="JSON path (default bench/results/fidelity[_quick].json)")
+    arguments = parser.parse_args(argv)
+    names = arguments.models.split(",") if arguments.models else list(zoo.FIDELITY_ZOO)
+    unknown = [name for name in names if name not in zoo.FIDELITY_ZOO]
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {', '.join(zoo.FIDELITY_ZOO)}")
+    arguments.models = names
+    if arguments.out is None:
+        arguments.out = RESULTS_DIRECTORY / ("fidelity_quick.json" if arguments.quick else "fidelity.json")
+    return arguments
+
+
+def main(argv: Sequence[str]) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("planner").setLevel(logging.WARNING)
+    arguments = parse_arguments(argv)
+    fractions = QUICK_FRACTIONS if arguments.quick else FRACTIONS
+    rounds = QUICK_TIMING_ROUNDS if arguments.quick else TIMING_ROUNDS
+    started_s = time.perf_counter()
+    # Other processes on the machine skew step times; the load before and after says how much.
+    machine_before = machine()
+    revision = planner_revision()  # before the lazily imported planner modules load
+    reports = []
+    for name in arguments.models:
+        model_started_s = time.perf_counter()
+        try:
+            reports.append(benchmark_model(name, fractions=fractions, rounds=rounds))
+        except Exception as error:  # one model's failure must not lose the others' results
+            log.exception("%s failed", name)
+            reports.append(ModelReport(name=name, error=f"{type(error).__name__}: {error}".splitlines()[0]))
+        log.info("%s done in %.1f s", name, time.perf_counter() - model_started_s)
+    total_s = time.perf_counter() - started_s
+    document = {
+        "machine": machine_before,
+        "load_average_after_1_5_15_min": list(os.getloadavg()),
+        "planner_revision": revision,
+        "command": [sys.executable, *sys.argv],
+        "quick": arguments.quick,
+        "total_s": total_s,
+        "models": {report.name: asdict(report) for report in reports},
+    }
+    arguments.out.parent.mkdir(parents=True, exist_ok=True)
+    arguments.out.write_text(json.dumps(document, indent=1, allow_nan=False, default=str) + "\n")
+    table = markdown(reports, quick=arguments.quick, context=machine_before)
+    arguments.out.with_suffix(".md").write_text(table)
+    sys.stdout.write(table)
+    log.info("wrote %s and %s in %.1f s", arguments.out, arguments.out.with_suffix(".md"), total_s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

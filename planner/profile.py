@@ -1,0 +1,62 @@
+"""Per-node time from an analytic cost model: FLOPs and bytes moved on a named device (a roofline).
+
+Measured times (`cost_model="measured"`, the default) come from the profiling step itself. They need
+the model's real device. The analytic model needs neither the device nor real tensors, so a laptop can
+plan for an H100, and a model built on the meta device can be planned at all:
+
+    forward_ms = max(flops / peak_flops, moved_bytes / bandwidth) + overhead_ms
+    backward_ms = BACKWARD_FACTOR * forward_ms
+
+FLOPs come from `torch.utils.flop_counter` (matmuls, convolutions, attention); operators it does not
+count are memory-bound and priced by the bytes they read and write. The peak rates are datasheet
+figures (dense, no sparsity), so absolute times are optimistic; the planner only needs their ratios.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BACKWARD_FACTOR", "DEVICES", "DeviceSpec", "analytic_forward_ms", "device_spec"]
+
+BACKWARD_FACTOR = 2.0
+"""Backward costs about twice the forward: a gradient for the input and one for the weight."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Peak rates of a device for the roofline."""
+
+    name: str
+    flops_per_s: float
+    """Dense matmul throughput at the training precision (TF32/bf16 tensor cores on GPUs)."""
+    memory_bytes_per_s: float
+    overhead_ms: float
+    """Fixed cost per operator: kernel launch on a GPU, dispatch on a CPU."""
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    "h100": DeviceSpec("h100", flops_per_s=989e12, memory_bytes_per_s=3.35e12, overhead_ms=0.005),
+    "a100": DeviceSpec("a100", flops_per_s=312e12, memory_bytes_per_s=2.0e12, overhead_ms=0.005),
+    "cpu": DeviceSpec("cpu", flops_per_s=100e9, memory_bytes_per_s=20e9, overhead_ms=0.01),
+}
+
+
+def device_spec(device: str | DeviceSpec) -> DeviceSpec:
+    """A named device (`"h100"`, `"a100"`, `"cpu"`) or a spec given by hand."""
+    if isinstance(device, DeviceSpec):
+        if device.flops_per_s <= 0 or device.memory_bytes_per_s <= 0 or device.overhead_ms < 0:
+            raise ValueError(f"a DeviceSpec needs positive rates and a non-negative overhead, got {device}")
+        return device
+    if device not in DEVICES:
+        raise ValueError(
+            f"device={device!r} is not known; use one of {sorted(DEVICES)} or "
+            "DeviceSpec(name, flops_per_s=..., memory_bytes_per_s=..., overhead_ms=...)"
+        )
+    return DEVICES[device]
+
+
+def analytic_forward_ms(flops: int, moved_bytes: int, spec: DeviceSpec) -> float:
+    """Roofline time of one node's forward."""
+    compute_s = flops / spec.flops_per_s
+    memory_s = moved_bytes / spec.memory_bytes_per_s
+    return max(compute_s, memory_s) * 1e3 + spec.overhead_ms

@@ -1,0 +1,70 @@
+"""The analytic cost model and planning on the meta device (a model this machine never allocates)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import planner
+from planner.profile import DEVICES, DeviceSpec, analytic_forward_ms, device_spec
+from planner.zoo import build_model
+
+
+def test_roofline_takes_the_slower_of_compute_and_memory() -> None:
+    spec = DeviceSpec("toy", flops_per_s=1e12, memory_bytes_per_s=1e9, overhead_ms=0.0)
+    assert analytic_forward_ms(10**12, 0, spec) == pytest.approx(1000.0)
+    assert analytic_forward_ms(0, 10**9, spec) == pytest.approx(1000.0)
+    assert analytic_forward_ms(10**12, 2 * 10**9, spec) == pytest.approx(2000.0)
+
+
+def test_unknown_devices_and_bad_specs_are_rejected() -> None:
+    with pytest.raises(ValueError, match="'tpu'.*a100"):
+        device_spec("tpu")
+    with pytest.raises(ValueError, match="positive rates"):
+        device_spec(DeviceSpec("broken", flops_per_s=0, memory_bytes_per_s=1, overhead_ms=0))
+    assert device_spec("h100") is DEVICES["h100"]
+
+
+def test_analytic_times_follow_flops_and_a_faster_device_is_faster() -> None:
+    model, inputs = build_model("gpt_tiny")
+    on_cpu = planner.optimize(model, inputs, budget_bytes=2**40, cost_model="analytic", device="cpu")
+    on_h100 = planner.optimize(model, inputs, budget_bytes=2**40, cost_model="analytic", device="h100")
+    assert on_h100.simulation.step_ms < on_cpu.simulation.step_ms
+    heaviest = max(on_cpu.graph.nodes, key=lambda node: node.forward_flops)
+    lightest = min(
+        (node for node in on_cpu.graph.nodes if node.moved_bytes),
+        key=lambda node: node.forward_flops + node.moved_bytes,
+    )
+    assert heaviest.forward_flops > 0 and heaviest.forward_ms > lightest.forward_ms
+    assert all(node.backward_ms == pytest.approx(2 * node.forward_ms) for node in on_cpu.graph.nodes)
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "seed000_mlp"])
+def test_meta_device_plans_match_plans_of_the_real_model(name: str) -> None:
+    model, inputs = build_model(name)
+    real = planner.optimize(model, inputs, budget_bytes=2**40, cost_model="analytic", device="h100")
+    with torch.device("meta"):
+        meta_model, meta_inputs = build_model(name)
+    assert next(meta_model.parameters()).is_meta
+    meta = planner.optimize(meta_model, meta_inputs, budget_bytes=2**40, cost_model="analytic", device="h100")
+    assert meta.graph.storage_bytes == real.graph.storage_bytes
+    assert meta.baseline_peak_bytes == real.baseline_peak_bytes
+    assert meta.min_peak_bytes == real.min_peak_bytes
+    budget = (real.min_peak_bytes + real.baseline_peak_bytes) // 2
+    assert (
+        planner.optimize(
+            meta_model, meta_inputs, budget_bytes=budget, cost_model="analytic", device="h100"
+        ).schedule
+        == planner.optimize(model, inputs, budget_bytes=budget, cost_model="analytic", device="h100").schedule
+    )
+
+
+def test_meta_models_need_the_analytic_cost_model() -> None:
+    with torch.device("meta"):
+        model, inputs = build_model("seed000_mlp")
+    with pytest.raises(ValueError, match="cost_model='analytic'"):
+        planner.optimize(model, inputs, budget_gb=1)
+    with pytest.raises(ValueError, match="cost_model='fast'"):
+        planner.optimize(model, inputs, budget_gb=1, cost_model="fast")
+    with pytest.raises(ValueError, match="needs device="):
+        planner.optimize(model, inputs, budget_gb=1, cost_model="analytic")

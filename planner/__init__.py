@@ -22,7 +22,7 @@ from planner.plan import Plan
 
 if TYPE_CHECKING:
     from planner.measurement import MeasuredStep
-    from planner.planning import measure, optimize
+    from planner.planning import measure, optimize, pareto
     from planner.solving import plan_graph
 
 __all__ = [
@@ -35,12 +35,14 @@ __all__ = [
     "UnsupportedModel",
     "measure",
     "optimize",
+    "pareto",
     "plan_graph",
 ]
 
 _LAZY = {
     "optimize": "planner.planning",
     "measure": "planner.planning",
+    "pareto": "planner.planning",
     "plan_graph": "planner.solving",
     "MeasuredStep": "planner.measurement",
 }

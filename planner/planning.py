@@ -1,4 +1,4 @@
-"""`optimize`, `measure` and `plan_graph`: the torch side of the public API (imported lazily by `planner`)."""
+"""`optimize`, `pareto` and `measure`: the torch side of the public API (imported lazily by `planner`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from planner.capture import capture
+from planner.capture import Capture, capture
 from planner.errors import GIB
 from planner.graph_build import build_activation_graph
 from planner.ir import ActivationGraph
@@ -18,9 +18,9 @@ from planner.measurement import MeasuredStep, OptimizerSpec, default_loss, measu
 from planner.plan import Plan
 from planner.profile import DeviceSpec
 from planner.rewrite import rewrite
-from planner.solvers import lowest_peak, solve
+from planner.solving import Frontier, pareto_frontier, plan_graph
 
-__all__ = ["measure", "optimize", "plan_graph"]
+__all__ = ["measure", "optimize", "pareto"]
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,63 @@ def optimize(
     ValueError) when no plan fits, with the lowest achievable peak, and `UnsupportedModel` when no
     capture level works. The model is left unchanged; `plan.module` shares its parameters.
     """
+    budget = _budget_bytes(budget_gb, budget_bytes)
+    captured, graph = _capture_and_profile(
+        model,
+        example_inputs,
+        example_kwargs,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        cost_model=cost_model,
+        device=device,
+    )
+    plan = plan_graph(graph, budget_bytes=budget, solver=solver)
+    plan.module = rewrite(model, captured.graph_module, graph, plan.schedule, call=captured.call)
+    return plan
+
+
+def pareto(
+    model: torch.nn.Module,
+    example_inputs: Any = (),
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    points: int = 8,
+    budgets_bytes: Sequence[int] | None = None,
+    optimizer: OptimizerSpec = "adam",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    solver: str = "auto",
+    cost_model: str = "measured",
+    device: str | DeviceSpec | None = None,
+) -> Frontier:
+    """Predicted (peak, recompute) frontier over budgets, from one captured and profiled graph.
+
+    Budgets are `budgets_bytes`, or `points` budgets from the lowest achievable peak to the peak
+    without checkpointing. `frontier.plot(path)` draws it.
+    """
+    _, graph = _capture_and_profile(
+        model,
+        example_inputs,
+        example_kwargs,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        cost_model=cost_model,
+        device=device,
+    )
+    return pareto_frontier(graph, budgets_bytes=budgets_bytes, points=points, solver=solver)
+
+
+def _capture_and_profile(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    *,
+    optimizer: OptimizerSpec,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    cost_model: str,
+    device: str | DeviceSpec | None,
+) -> tuple[Capture, ActivationGraph]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    budget = _budget_bytes(budget_gb, budget_bytes)
     inputs = _example_call(example_inputs, example_kwargs)
     started = time.perf_counter()
     captured = capture(model, inputs, example_kwargs)
@@ -118,27 +172,7 @@ def optimize(
         device=device,
     )
     log.info("profiled %d nodes in %.1f s", len(graph.nodes), time.perf_counter() - started)
-    plan = plan_graph(graph, budget_bytes=budget, solver=solver)
-    plan.module = rewrite(model, captured.graph_module, graph, plan.schedule, call=captured.call)
-    return plan
-
-
-def plan_graph(graph: ActivationGraph, *, budget_bytes: int, solver: str = "auto") -> Plan:
-    """Solve an already captured graph (torch-free): a Plan without a module."""
-    solve_started = time.perf_counter()
-    schedule = solve(graph, budget_bytes=budget_bytes, solver=solver)
-    _, lowest = lowest_peak(graph)
-    solve_ms = (time.perf_counter() - solve_started) * 1e3
-    log.info(
-        "solved with %s in %.0f ms: %d checkpointed regions", solver, solve_ms, len(schedule.checkpointed)
-    )
-    return Plan(
-        graph=graph,
-        schedule=schedule,
-        budget_bytes=budget_bytes,
-        min_peak_bytes=lowest.peak_bytes,
-        solve_ms=solve_ms,
-    )
+    return captured, graph
 
 
 def measure(

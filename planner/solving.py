@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from planner.errors import InfeasibleBudget
 from planner.ir import ActivationGraph, Schedule, SimulationResult
@@ -61,6 +62,20 @@ class Frontier:
     min_peak_bytes: int
     baseline_peak_bytes: int
     points: tuple[FrontierPoint, ...]
+
+    def peaks_and_overheads(self) -> list[tuple[int, float]]:
+        """(predicted peak bytes, predicted overhead) of every budget that a plan fits."""
+        return [
+            (point.simulation.peak_bytes, point.simulation.overhead)
+            for point in self.points
+            if point.simulation is not None
+        ]
+
+    def plot(self, path: str | Path, *, budget_bytes: int | None = None) -> Path:
+        """Save the frontier as a picture (.png, .svg, .pdf); needs matplotlib."""
+        from planner.plots import plot_pareto  # matplotlib only loads when a picture is asked for
+
+        return plot_pareto(self.peaks_and_overheads(), path, budget_bytes=budget_bytes)
 
 
 def frontier_budgets(min_peak_bytes: int, baseline_peak_bytes: int, *, points: int) -> list[int]:

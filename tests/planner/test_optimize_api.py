@@ -107,3 +107,11 @@ def test_custom_loss_is_planned_with_the_model(mlp) -> None:  # type: ignore[no-
         model, inputs, budget_gb=1, loss_fn=lambda output: torch.nn.functional.mse_loss(output, target)
     )
     assert plan.graph.nodes[-1].name == "loss" and not plan.graph.nodes[-1].checkpointable
+
+
+def test_public_functions_stay_functions_after_their_modules_load() -> None:
+    import planner.measurement
+    import planner.planning  # noqa: F401  (loading the submodules must not shadow the functions)
+
+    assert callable(planner.optimize) and callable(planner.measure) and callable(planner.pareto)
+    assert planner.optimize.__module__ == "planner.planning"

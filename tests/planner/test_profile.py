@@ -68,3 +68,15 @@ def test_meta_models_need_the_analytic_cost_model() -> None:
         planner.optimize(model, inputs, budget_gb=1, cost_model="fast")
     with pytest.raises(ValueError, match="needs device="):
         planner.optimize(model, inputs, budget_gb=1, cost_model="analytic")
+
+
+def test_pareto_frontier_from_one_profile_falls_and_plots(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model, inputs = build_model("seed000_mlp")
+    frontier = planner.pareto(model, inputs, points=4, solver="dp", cost_model="analytic", device="cpu")
+    pairs = frontier.peaks_and_overheads()
+    assert len(pairs) == 4
+    assert pairs[0][0] == frontier.min_peak_bytes and pairs[-1] == (frontier.baseline_peak_bytes, 0.0)
+    overheads = [overhead for _, overhead in pairs]
+    assert overheads == sorted(overheads, reverse=True)
+    picture = frontier.plot(tmp_path / "pareto.png")
+    assert picture.stat().st_size > 1000

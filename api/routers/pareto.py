@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, HTTPException
 
 from api.deps import PoolDep, SettingsDep, require_token
 from api.jobs import JobError
@@ -33,6 +33,13 @@ async def create_pareto(body: ParetoRequest, pool: PoolDep, settings: SettingsDe
     """Solve `graph` at `budgets_bytes`, or at `points` budgets from the lowest peak to the baseline."""
     graph = body.graph.to_graph()
     validate_graph(graph, max_nodes=settings.max_nodes)
+    if pool.workers == 0:
+        raise HTTPException(
+            status_code=503,
+            detail="this service runs with PLANNER_WORKERS=0: it stores plan jobs for a later start but "
+            "solves nothing now; ask a service that has workers",
+            headers={"Retry-After": str(pool.retry_after_s)},
+        )
     frontier = pool.submit(
         lambda: pareto_frontier(
             graph, budgets_bytes=body.budgets_bytes, points=body.points, solver=body.solver

@@ -197,9 +197,10 @@ def test_a_full_queue_is_503_with_retry_after(app: FastAPI, tmp_path: Path) -> N
         pareto = client.post("/v1/pareto", json={"graph": graph_to_dict(GRAPH)})
         ready = client.get("/readyz")
     assert first.status_code == 202
-    for response in (second, pareto):
-        assert response.status_code == 503 and response.headers["Retry-After"] == "7"
-        assert "queue is full" in response.json()["detail"][0]["msg"]
+    assert second.status_code == 503 and second.headers["Retry-After"] == "7"
+    assert "queue is full" in second.json()["detail"][0]["msg"]
+    assert pareto.status_code == 503 and pareto.headers["Retry-After"] == "7"
+    assert "PLANNER_WORKERS=0" in pareto.json()["detail"][0]["msg"], "a frontier is not stored for later"
     assert ready.status_code == 503 and "queue is full" in ready.json()["reasons"][0]
     store.close()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 from planner.ir import ActivationGraph, Region, RegionPolicy
 from planner.simulate import (
@@ -48,7 +49,7 @@ class RegionCost:
     points_bytes: tuple[int, ...]
     recompute_ms: float
 
-    @property
+    @cached_property
     def peak_bytes(self) -> int:
         return max(self.points_bytes)
 

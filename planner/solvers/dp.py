@@ -23,7 +23,9 @@ from planner.solvers.chain import Chain, RegionCost, region_cost
 
 __all__ = ["dp_schedule", "min_peak_schedule", "CostTable", "tabulate"]
 
-MAX_FRONTIER = 512
+MAX_REGION_SEGMENTS = 24
+"""Longest checkpointed region, in segments between cuts (sqrt(n)-sized regions are far shorter)."""
+MAX_FRONTIER = 256
 """Pareto sets larger than this are thinned; bytes are then rounded up, never down."""
 
 
@@ -40,13 +42,18 @@ CostTable = dict[tuple[int, int, RegionPolicy, bool], RegionCost]
 
 
 def tabulate(chain: Chain) -> CostTable:
-    """Region costs for every pair of cuts, policy and previous policy."""
+    """Region costs for pairs of cuts, policy and previous policy.
+
+    Stored regions span one segment: a stored run of segments costs what its segments cost one by
+    one (the storage crossing each cut is deduplicated through `previous_stores`). Checkpointed
+    regions span up to MAX_REGION_SEGMENTS segments, which bounds the table at O(cuts) entries.
+    """
     table: CostTable = {}
     nodes = chain.graph.nodes
     cuts = chain.cuts
     for i, start in enumerate(cuts[:-1]):
-        for stop in cuts[i + 1 :]:
-            policies = [RegionPolicy.STORE]
+        for j, stop in enumerate(cuts[i + 1 : i + 1 + MAX_REGION_SEGMENTS]):
+            policies = [RegionPolicy.STORE] if j == 0 else []
             if all(node.checkpointable for node in nodes[start:stop]):
                 policies.append(RegionPolicy.CHECKPOINT)
             for policy in policies:
@@ -98,37 +105,40 @@ def _search(
     frontier: dict[tuple[int, bool], list[_Partial]] = {(0, False): [_Partial(0, 0, 0.0, None, None)]}
     for i, start in enumerate(cuts[:-1]):
         for previous_stores in (False, True):
-            sources = frontier.get((start, previous_stores), [])
-            if not sources:
+            if (start, previous_stores) not in frontier:
                 continue
-            for stop in cuts[i + 1 :]:
+            sources = frontier[(start, previous_stores)] = _prune(frontier[(start, previous_stores)], key)
+            for stop in cuts[i + 1 : i + 1 + MAX_REGION_SEGMENTS]:
                 for policy in (RegionPolicy.STORE, RegionPolicy.CHECKPOINT):
                     cost = table.get((start, stop, policy, previous_stores))
-                    if cost is None:
-                        continue
-                    region = Region(start, stop, policy)
-                    bucket = frontier.setdefault((stop, policy is RegionPolicy.STORE), [])
-                    for source in sources:
-                        peak_bytes = max(source.peak_bytes, source.retained_bytes + cost.peak_bytes)
-                        if peak_bytes > limit_bytes:
-                            continue
-                        bucket.append(
-                            _Partial(
-                                retained_bytes=source.retained_bytes + cost.charged_bytes,
-                                peak_bytes=peak_bytes,
-                                recompute_ms=source.recompute_ms + cost.recompute_ms,
-                                region=region,
-                                parent=source,
-                            )
-                        )
-            for stop in cuts[i + 1 :]:
-                for stores in (False, True):
-                    if (stop, stores) in frontier:
-                        frontier[(stop, stores)] = _prune(frontier[(stop, stores)], key)
+                    if cost is not None:
+                        bucket = frontier.setdefault((stop, policy is RegionPolicy.STORE), [])
+                        bucket.extend(_extend(sources, Region(start, stop, policy), cost, limit_bytes))
     finals = frontier.get((cuts[-1], False), []) + frontier.get((cuts[-1], True), [])
     if not finals:
         return None
     return min(finals, key=lambda p: (key(p), p.peak_bytes))
+
+
+def _extend(sources: list[_Partial], region: Region, cost: RegionCost, limit_bytes: float) -> list[_Partial]:
+    """Each source followed by `region`, when the region's peak stays within `limit_bytes`.
+
+    Sources come sorted by retained bytes, so once one overflows the limit every later one does.
+    """
+    extended = []
+    for source in sources:
+        if source.retained_bytes + cost.peak_bytes > limit_bytes:
+            break
+        extended.append(
+            _Partial(
+                retained_bytes=source.retained_bytes + cost.charged_bytes,
+                peak_bytes=max(source.peak_bytes, source.retained_bytes + cost.peak_bytes),
+                recompute_ms=source.recompute_ms + cost.recompute_ms,
+                region=region,
+                parent=source,
+            )
+        )
+    return extended
 
 
 def _unwind(final: _Partial, solver: str) -> Schedule:

@@ -33,6 +33,7 @@ from typing import Any
 from planner.ir import Region, RegionPolicy, Schedule
 from planner.simulate import recompute_trigger
 from planner.solvers.chain import Chain, RegionCost, keep_effect, region_cost
+from planner.solvers.dp import MAX_REGION_SEGMENTS
 
 __all__ = ["IlpResult", "ilp_schedule", "keepable"]
 
@@ -107,7 +108,7 @@ def _edges(chain: Chain, candidates: list[int]) -> list[_Edge]:
     edges = []
     nodes = chain.graph.nodes
     for i, start in enumerate(chain.cuts[:-1]):
-        for stop in chain.cuts[i + 1 :]:
+        for stop in chain.cuts[i + 1 : i + 1 + MAX_REGION_SEGMENTS]:
             checkpointable = all(node.checkpointable for node in nodes[start:stop])
             for policy in (RegionPolicy.STORE, RegionPolicy.CHECKPOINT):
                 # A stored run of segments costs what its segments cost one by one (the boundary

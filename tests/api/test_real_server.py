@@ -47,7 +47,7 @@ def _statuses_in(database: Path) -> list[str]:
 
 
 def test_jobs_outlive_a_server_killed_mid_solve(tmp_path: Path) -> None:
-    graph = residual_graph(node_count=200, nodes_per_block=20)
+    graph = residual_graph(node_count=400, nodes_per_block=20)
     budgets = [middle_budget(graph, fraction) for fraction in (0.4, 0.6)]
     database = tmp_path / "jobs.sqlite3"
     port = free_port()

@@ -40,11 +40,7 @@ __all__ = [
     "timeline_positions",
 ]
 
-PHASE_SPANS: tuple[tuple[str, str], ...] = (
-    ("forward", "#dbe9f6"),
-    ("backward", "#fde2cf"),
-    ("optimizer step", "#e0f0dc"),
-)
+PHASE_COLOURS = {"forward": "#dbe9f6", "backward": "#fde2cf", "optimizer step": "#e0f0dc"}
 """Background colour of each phase of the step (the measured series uses the same phase names)."""
 
 OPTIMIZER_WIDTH = 0.06
@@ -100,7 +96,7 @@ def timeline_positions(graph: ActivationGraph, trace: Sequence[TraceStep]) -> li
     """
     count = len(graph.nodes)
     index_of = {node.name: index for index, node in enumerate(graph.nodes)}
-    positions = []
+    positions: list[float] = []
     for step in trace:
         if step.phase is Phase.FORWARD:
             positions.append(float(index_of[step.node]))
@@ -112,24 +108,31 @@ def timeline_positions(graph: ActivationGraph, trace: Sequence[TraceStep]) -> li
     return positions
 
 
-def _step_series(graph: ActivationGraph, trace: Sequence[TraceStep], scale: _Scale) -> tuple[list, list]:
-    positions = timeline_positions(graph, trace)
-    values = [step.live_bytes / scale.divisor for step in trace]
-    end = 2 * len(graph.nodes) * (1 + OPTIMIZER_WIDTH)
-    return [*positions, end], [*values, values[-1]]
-
-
-def _measured_series(graph: ActivationGraph, measured: MeasuredSeries, scale: _Scale) -> tuple[list, list]:
-    """Measured samples stretched over each phase's span (operators do not map one-to-one to nodes)."""
-    count = len(graph.nodes)
-    spans = {
+def _phase_spans(count: int) -> dict[str, tuple[float, float]]:
+    """x-axis span of each phase for a graph of `count` nodes (see `timeline_positions`)."""
+    return {
         "forward": (0.0, float(count)),
         "backward": (float(count), float(2 * count)),
         "optimizer step": (float(2 * count), 2 * count * (1 + OPTIMIZER_WIDTH)),
     }
+
+
+def _step_series(
+    graph: ActivationGraph, trace: Sequence[TraceStep], scale: _Scale
+) -> tuple[list[float], list[float]]:
+    positions = timeline_positions(graph, trace)
+    values = [step.live_bytes / scale.divisor for step in trace]
+    _, end = _phase_spans(len(graph.nodes))["optimizer step"]
+    return [*positions, end], [*values, values[-1]]
+
+
+def _measured_series(
+    graph: ActivationGraph, measured: MeasuredSeries, scale: _Scale
+) -> tuple[list[float], list[float]]:
+    """Measured samples stretched over each phase's span (operators do not map one-to-one to nodes)."""
     xs: list[float] = []
     ys: list[float] = []
-    for phase, (start, stop) in spans.items():
+    for phase, (start, stop) in _phase_spans(len(graph.nodes)).items():
         values = [live_bytes for name, live_bytes in measured.samples if name == phase]
         for index, live_bytes in enumerate(values):
             xs.append(start + (stop - start) * index / len(values))
@@ -138,9 +141,8 @@ def _measured_series(graph: ActivationGraph, measured: MeasuredSeries, scale: _S
 
 
 def _shade_phases(axes: Axes, count: int) -> None:
-    bounds = (0.0, float(count), float(2 * count), 2 * count * (1 + OPTIMIZER_WIDTH))
-    for (name, colour), start, stop in zip(PHASE_SPANS, bounds[:-1], bounds[1:], strict=True):
-        axes.axvspan(start, stop, color=colour, zorder=0, linewidth=0)
+    for name, (start, stop) in _phase_spans(count).items():
+        axes.axvspan(start, stop, color=PHASE_COLOURS[name], zorder=0, linewidth=0)
         axes.text(
             (start + stop) / 2,
             0.985,
@@ -242,7 +244,7 @@ def timeline_figure(plan: Plan, *, measured: MeasuredSeries | None = None) -> Fi
         label=f"budget {format_bytes(plan.budget_bytes)}",
     )
     _mark_regions(axes, graph, plan.schedule)
-    axes.set_xlim(0, 2 * count * (1 + OPTIMIZER_WIDTH))
+    axes.set_xlim(0, _phase_spans(count)["optimizer step"][1])
     axes.set_ylim(0, largest / scale.divisor * 1.18)
     axes.set_xlabel("position in the training step (graph nodes: forward, then backward in reverse)")
     axes.set_ylabel(f"live memory ({scale.unit})")

@@ -227,7 +227,7 @@ class _Timeline:
         trace.append(
             TraceStep(phase=phase, node=node, live_bytes=total, peak_bytes=max(total, self.peak_bytes))
         )
-        if total > self.peak_bytes:
+        if total > self.peak_bytes or self.peak_breakdown is None:
             self.peak_bytes, self.peak_phase, self.peak_node = total, phase, node
             self.peak_breakdown = dict(components)
 

@@ -1,0 +1,150 @@
+"""Solve time and plan quality of each solver against graph size, and how well analytic times rank.
+
+Why: `dp` and `ilp` trade optimality for time differently, and the analytic cost model is only useful
+if it orders nodes as measurement does. This script measures, on real zoo graphs and on synthetic
+residual stacks (`planner.synthetic.residual_graph`) up to 10,000 nodes:
+
+- per graph and solver: wall time of `solve` at the budget halfway between the lowest peak and no
+  checkpointing, the predicted recompute of the plan, and (ilp) the proven gap;
+- per zoo model: Spearman rank correlation of analytic (device="cpu") vs measured per-node forward times.
+
+Writes `bench/results/solvers.json` and `bench/results/solvers.md`.
+
+    .venv/bin/python bench/solvers.py [--sizes 100,500,2000,10000] [--ilp-max-nodes 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import planner
+from planner.ir import ActivationGraph
+from planner.simulate import simulate, store_everything
+from planner.solvers import lowest_peak, solve
+from planner.synthetic import residual_graph
+from planner.zoo import FIDELITY_ZOO, build_model
+
+log = logging.getLogger("bench.solvers")
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    position = 0
+    while position < len(order):
+        tied_end = position
+        while tied_end + 1 < len(order) and values[order[tied_end + 1]] == values[order[position]]:
+            tied_end += 1
+        for k in range(position, tied_end + 1):
+            ranks[order[k]] = (position + tied_end) / 2
+        position = tied_end + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rho: Pearson correlation of the ranks (ties share their mean rank)."""
+    ra, rb = _ranks(a), _ranks(b)
+    mean_a, mean_b = sum(ra) / len(ra), sum(rb) / len(rb)
+    covariance = sum((x - mean_a) * (y - mean_b) for x, y in zip(ra, rb, strict=True))
+    spread = (sum((x - mean_a) ** 2 for x in ra) * sum((y - mean_b) ** 2 for y in rb)) ** 0.5
+    return covariance / spread if spread else 0.0
+
+
+def solve_row(graph: ActivationGraph, solver: str) -> dict[str, Any]:
+    lowest = lowest_peak(graph)[1].peak_bytes
+    baseline = simulate(graph, store_everything(graph)).peak_bytes
+    budget_bytes = (lowest + baseline) // 2
+    started = time.perf_counter()
+    schedule = solve(graph, budget_bytes=budget_bytes, solver=solver)
+    solve_s = time.perf_counter() - started
+    result = simulate(graph, schedule)
+    return {
+        "nodes": len(graph.nodes),
+        "solver": solver,
+        "solve_s": round(solve_s, 3),
+        "budget_bytes": budget_bytes,
+        "predicted_peak_bytes": result.peak_bytes,
+        "predicted_recompute_ms": round(result.recompute_ms, 3),
+        "gap": schedule.gap,
+        "keeps": sum(len(region.keep) for region in schedule.regions),
+    }
+
+
+def zoo_rows(ilp_max_nodes: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    rows, correlations = [], []
+    for name in FIDELITY_ZOO:
+        model, inputs = build_model(name)
+        measured = planner.optimize(model, inputs, budget_bytes=2**40, solver="dp").graph
+        analytic = planner.optimize(
+            model, inputs, budget_bytes=2**40, solver="dp", cost_model="analytic", device="cpu"
+        ).graph
+        rho = spearman([n.forward_ms for n in analytic.nodes], [n.forward_ms for n in measured.nodes])
+        correlations.append({"model": name, "nodes": len(measured.nodes), "spearman": round(rho, 3)})
+        for solver in ("dp", "ilp"):
+            if solver == "ilp" and len(measured.nodes) > ilp_max_nodes:
+                continue
+            rows.append({"graph": name, **solve_row(measured, solver)})
+            log.info("%s %s: %s", name, solver, rows[-1])
+    return rows, correlations
+
+
+def synthetic_rows(sizes: list[int], ilp_max_nodes: int) -> list[dict[str, Any]]:
+    rows = []
+    for size in sizes:
+        graph = residual_graph(node_count=size)
+        for solver in ("dp", "ilp"):
+            if solver == "ilp" and size > ilp_max_nodes:
+                continue
+            rows.append({"graph": f"residual-{size}", **solve_row(graph, solver)})
+            log.info("residual-%d %s: %s", size, solver, rows[-1])
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], correlations: list[dict[str, Any]]) -> str:
+    lines = [
+        "| graph | nodes | solver | solve s | predicted recompute ms | gap | keeps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        gap = "-" if row["solver"] == "dp" else f"{row['gap']:.3f}"
+        lines.append(
+            f"| {row['graph']} | {row['nodes']} | {row['solver']} | {row['solve_s']:.2f} | "
+            f"{row['predicted_recompute_ms']:.2f} | {gap} | {row['keeps']} |"
+        )
+    lines += ["", "| model | nodes | Spearman(analytic, measured forward ms) |", "|---|---|---|"]
+    lines += [f"| {c['model']} | {c['nodes']} | {c['spearman']:.3f} |" for c in correlations]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="100,500,2000,10000")
+    parser.add_argument("--ilp-max-nodes", type=int, default=2000)
+    parser.add_argument("--out", default="bench/results/solvers.json")
+    arguments = parser.parse_args()
+    zoo, correlations = zoo_rows(arguments.ilp_max_nodes)
+    rows = zoo + synthetic_rows([int(size) for size in arguments.sizes.split(",")], arguments.ilp_max_nodes)
+    table = markdown(rows, correlations)
+    out = Path(arguments.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {"machine": platform.platform(), "command": sys.argv, "rows": rows, "spearman": correlations},
+            indent=1,
+        )
+    )
+    out.with_suffix(".md").write_text(table)
+    sys.stdout.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -375,7 +375,10 @@ def _capture_fx(
             failing = _failing_module(model, error)
             if failing is None or failing == "" or failing in opaque or len(opaque) >= MAX_OPAQUE_MODULES:
                 where = f"submodule {failing!r}" if failing else f"the forward of {type(model).__name__}"
-                raise UnsupportedModel(f"torch.fx cannot trace {where}: {_describe(error)}") from error
+                raise UnsupportedModel(
+                    f"torch.fx cannot trace {where}: {_describe(error)} (move data-dependent control flow "
+                    "into a submodule, which FX keeps as one opaque node, or replace it with torch.where)"
+                ) from error
             log.info("fx could not trace %s (%s); keeping it opaque", failing, type(error).__name__)
             opaque.add(failing)
             continue
@@ -448,14 +451,16 @@ def _capture_export(
     if hooked:
         raise UnsupportedModel(
             f"torch.export would inline submodules {hooked[:4]} and run their hooks once, at capture, "
-            "never in training (see NOTE [hooks] in planner/capture.py)"
+            "never in training (see NOTE [hooks] in planner/capture.py; remove the hooks while planning "
+            "or make the forward traceable by torch.fx, which calls hooked submodules)"
         )
     try:
         with _quiet_export(), _root_hooks_suspended(model):
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # noqa: BLE001 - any export failure is a reason to try a coarser level
         raise UnsupportedModel(
-            f"torch.export cannot trace {type(model).__name__}: {_describe(error)}"
+            f"torch.export cannot trace {type(model).__name__}: {_describe(error)} (branch with "
+            "torch.cond or torch.where instead of Python if on tensor values)"
         ) from error
     graph_module = exported.module()
     assert isinstance(graph_module, fx.GraphModule)
@@ -515,9 +520,5 @@ def capture(
         except UnsupportedModel as error:
             failures.append(error)
     reasons = "; ".join(str(failure) for failure in failures)
-    hint = "" if has_example else " (torch.export was not tried: it needs example inputs)"
-    raise UnsupportedModel(
-        f"cannot capture {type(model).__name__}: {reasons}{hint}. Move data-dependent control flow "
-        "(if/for on tensor values) into a submodule, which the planner then treats as one opaque node, "
-        "or replace it with torch.where / torch.cond."
-    ) from failures[-1]
+    untried = "" if has_example else "; torch.export was not tried: it needs example inputs"
+    raise UnsupportedModel(f"cannot capture {type(model).__name__}: {reasons}{untried}") from failures[-1]

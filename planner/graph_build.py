@@ -33,7 +33,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from planner.capture import Capture, has_hooks
 from planner.ir import ActivationGraph, Node, Phase, StaticBytes
-from planner.measurement import LiveStorageTracker, OptimizerSpec, make_optimizer, tensors_in
+from planner.measurement import (
+    LiveStorageTracker,
+    OptimizerSpec,
+    end_autocast_forward,
+    make_optimizer,
+    tensors_in,
+)
 from planner.profile import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
 from planner.simulate import simulate, store_everything
 
@@ -152,12 +158,28 @@ def _flags(node: fx.Node, graph_module: fx.GraphModule) -> dict[str, bool]:
             "checkpointable": not has_hooks(module),  # a replay would run its hooks twice
         }
     target_name = getattr(node.target, "__name__", str(node.target))
+    schema = getattr(node.target, "_schema", None)  # ATen operators (torch.export graphs)
     return {
-        "random": node.target in RANDOM_FUNCTIONS,
+        "random": node.target in RANDOM_FUNCTIONS or _draws_random_numbers(node),
         "stateful": False,
         "in_place": bool(node.kwargs.get("inplace", False))
-        or (node.op == "call_method" and target_name.endswith("_")),
+        or (node.op == "call_method" and target_name.endswith("_"))
+        or (schema is not None and schema.is_mutable),
     }
+
+
+def _draws_random_numbers(node: fx.Node) -> bool:
+    """An ATen operator tagged as seeded (dropout, bernoulli, ...); attention only with dropout_p > 0."""
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    schema = node.target._schema  # type: ignore[union-attr]
+    names = [argument.name for argument in schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    position = names.index("dropout_p")
+    dropout_p = node.args[position] if len(node.args) > position else node.kwargs.get("dropout_p", 0.0)
+    return not isinstance(dropout_p, int | float) or dropout_p > 0
 
 
 class _ProfilingInterpreter(fx.Interpreter):
@@ -330,6 +352,7 @@ def _profile_step(
         interpreter.forward_ms[LOSS_NODE] = (time.perf_counter() - started) * 1e3
         interpreter.finish_node(loss_record, output, loss)
         del output
+        end_autocast_forward()  # see NOTE [autocast] in measurement.py
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
         raise ValueError(
             "loss_fn must return a scalar tensor that requires grad; got "

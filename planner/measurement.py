@@ -29,6 +29,7 @@ __all__ = [
     "MeasuredTimeline",
     "OptimizerSpec",
     "default_loss",
+    "end_autocast_forward",
     "make_optimizer",
     "measure_step",
     "measure_timeline",
@@ -50,6 +51,18 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             found += tensors_in([getattr(leaf, field.name) for field in dataclasses.fields(leaf)])
     return found
+
+
+def end_autocast_forward() -> None:
+    """Free autocast's cached low-precision weight copies, as leaving a `torch.autocast` block does.
+
+    NOTE [autocast]: PyTorch's mixed-precision recipe runs forward and loss under `torch.autocast`
+    and backward outside it; leaving the block frees the bf16 copies of the weights that autograd
+    did not save. `optimize` and `measure` run a whole step inside the caller's autocast block, so
+    they free the copies at the same point, after the loss. (Left in the cache, the copies would
+    also be stale in the next step, after the optimizer changed the weights.)
+    """
+    torch.clear_autocast_cache()
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -169,6 +182,7 @@ def _train_step(
         tensor.grad = None  # each step gets a fresh batch; its gradient does not carry over
     on_phase("start")
     loss = loss_fn(model(*inputs, **kwargs))
+    end_autocast_forward()
     on_phase("forward")
     loss.backward()
     del loss

@@ -57,11 +57,13 @@ _KEEPING: contextvars.ContextVar[bool] = contextvars.ContextVar("planner_keeping
 
 def _begin_keep() -> None:
     """Marker placed before a kept node: its operators' outputs are saved (see NOTE [selective keeps])."""
-    _KEEPING.set(True)
+    if not torch.compiler.is_compiling():  # see NOTE [torch.compile]
+        _KEEPING.set(True)
 
 
 def _end_keep() -> None:
-    _KEEPING.set(False)
+    if not torch.compiler.is_compiling():
+        _KEEPING.set(False)
 
 
 ALIASING_OPERATORS = frozenset({torch.ops.aten._unsafe_view.default})
@@ -79,6 +81,10 @@ UNINITIALIZED_OPERATORS = frozenset(
 )
 """Operators whose output is only ever filled in place afterwards (dropout's mask on the CPU)."""
 
+CAST_OPERATORS = frozenset({torch.ops.aten._to_copy.default})
+"""Dtype casts: autocast serves repeated casts of a weight from its cache in forward but not in the
+replay, so a replay cannot match them one to one with cached ones; they are cheap to redo."""
+
 
 def _keep_policy(context: Any, operator: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Save what a kept node's operators allocate; replay views, which would pin their inputs if cached.
@@ -89,7 +95,11 @@ def _keep_policy(context: Any, operator: Any, *args: Any, **kwargs: Any) -> Chec
     """
     aliasing = getattr(operator, "is_view", False) or operator in ALIASING_OPERATORS
     schema = getattr(operator, "_schema", None)
-    scratch = operator in UNINITIALIZED_OPERATORS or (schema is not None and schema.is_mutable)
+    scratch = (
+        operator in UNINITIALIZED_OPERATORS
+        or operator in CAST_OPERATORS
+        or (schema is not None and schema.is_mutable)
+    )
     return (
         CheckpointPolicy.MUST_SAVE
         if _KEEPING.get() and not aliasing and not scratch
@@ -141,9 +151,36 @@ class CheckpointedRegion(torch.nn.Module):
         return forward, replay
 
     def forward(self, *args: Any) -> Any:
-        return checkpoint(
-            self.body, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts
-        )
+        if torch.compiler.is_compiling():
+            # NOTE [torch.compile]: under torch.compile the region becomes a checkpoint higher-order op
+            # and AOTAutograd plans its replay: buffer updates are functionalized (applied once, in
+            # forward) and the partitioner chooses what the backward recomputes, so the eager replay
+            # contexts (buffer restore, selective keeps) do not apply and are not traced.
+            return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
+        with _autocast_uncached():
+            return checkpoint(
+                self.body, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts
+            )
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@contextmanager
+def _autocast_uncached() -> Iterator[None]:
+    """Keep autocast's cast cache off inside a checkpointed region.
+
+    Autocast caches the bf16 copy of each weight until its outermost block ends, after the loss: in a
+    checkpointed region that would keep the copies that checkpointing meant to drop, and the plan's
+    prediction would miss them. Uncached, a copy lives as long as autograd needs it; the replay
+    records and restores the same autocast state. (See NOTE [autocast] in measurement.py.)
+    """
+    with ExitStack() as stack:
+        for device in AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device):
+                dtype = torch.get_autocast_dtype(device)
+                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
+        yield
 
 
 @contextmanager

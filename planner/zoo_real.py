@@ -630,10 +630,10 @@ REAL_ZOO: dict[str, RealModel] = {
         ),
         RealModel(
             "inplace_mlp",
-            "Residual MLP of width 256 written with mul_/add_, relu(inplace=True) and slice assignment; "
-            "batch 512.",
+            "Residual MLP of width 256 written with mul_/add_, relu(inplace=True) and slice assignment "
+            "(which FX cannot trace); batch 512.",
             _seeded(_build_inplace_mlp),
-            capture="fx",
+            capture="export",
         ),
         RealModel(
             "tied_lm",

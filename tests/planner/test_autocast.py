@@ -1,0 +1,75 @@
+"""Plans under `torch.autocast` (bf16 on the CPU): activations are profiled in bf16, and the plan still
+fits, predicts within 5 % and trains with the original's gradients.
+
+Planning and measuring run inside the caller's autocast block, as a training loop's forward does;
+backward runs outside it, as PyTorch's mixed-precision recipe says (see NOTE [autocast] in
+planner/measurement.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from test_real_models import PREDICTION_TOLERANCE, one_call_step
+from zoo_checks import StepResult, assert_same_step
+
+import planner
+from planner.zoo_real import HUGGING_FACE, ExampleCall, build_call
+
+HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
+
+
+@contextmanager
+def bf16() -> Iterator[None]:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yield
+
+
+def autocast_step(module: torch.nn.Module, call: ExampleCall) -> StepResult:
+    """One step with forward and loss under bf16 autocast and backward outside it."""
+
+    class Autocast(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = module
+
+        def forward(self, *args: object, **kwargs: object) -> object:
+            with bf16():
+                return self.inner(*args, **kwargs)
+
+    return one_call_step(Autocast(), call)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tied_lm",
+        pytest.param("hf_bert", marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")),
+    ],
+)
+def test_bf16_plan_fits_predicts_and_keeps_gradients(name: str) -> None:
+    call = build_call(name)
+    with bf16():
+        reference = planner.optimize(call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40)
+    float32 = planner.optimize(call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40)
+    assert sum(reference.graph.storage_bytes.values()) < 0.9 * sum(float32.graph.storage_bytes.values())
+
+    budget = (reference.min_peak_bytes + reference.baseline_peak_bytes) // 2
+    with bf16():
+        plan = planner.optimize(call.model, call.args, example_kwargs=call.kwargs, budget_bytes=budget)
+        measured = planner.measure(
+            copy.deepcopy(plan.module), call.args, example_kwargs=call.kwargs
+        ).peak_bytes
+    assert plan.regions, "a mid budget should checkpoint something"
+    assert measured <= budget, f"{name}: measured {measured} over budget {budget}\n{plan.summary()}"
+    error = abs(plan.predicted_peak_bytes - measured) / measured
+    assert error <= PREDICTION_TOLERANCE, (
+        f"{name}: predicted {plan.predicted_peak_bytes}, measured {measured}"
+    )
+    assert plan.module is not None
+    assert_same_step(autocast_step(call.model, call), autocast_step(plan.module, call))

@@ -1,0 +1,178 @@
+"""Real models plan without edits: every entry of `planner.zoo_real` is captured by the expected path,
+fits a mid budget when measured, is predicted within 5 %, and trains with the original's loss,
+gradients and buffers (dropout included, same seed).
+
+The budget is halfway between the plan's own predicted lowest and no-checkpointing peaks. Measured
+peaks are two real Adam steps under the live-storage tracker. Hugging Face entries are skipped when
+`transformers` is not installed (it is in the `dev` extra).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from zoo_checks import StepResult, assert_same_step
+
+import planner
+from planner.measurement import default_loss
+from planner.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
+
+PREDICTION_TOLERANCE = 0.05
+MID_BUDGET_FRACTION = 0.5
+HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
+PLANNABLE = [name for name, entry in REAL_ZOO.items() if entry.capture != "unsupported"]
+
+
+def needs(name: str) -> list[pytest.MarkDecorator]:
+    if REAL_ZOO[name].requires == HUGGING_FACE and not HAS_TRANSFORMERS:
+        return [pytest.mark.skip(reason="needs transformers (pip install -e '.[dev]')")]
+    return []
+
+
+def entries(names: list[str]) -> list[Any]:
+    return [pytest.param(name, marks=needs(name)) for name in names]
+
+
+@dataclass(frozen=True)
+class MidBudgetPlan:
+    call: ExampleCall
+    plan: planner.Plan
+    budget_bytes: int
+
+
+@cache
+def mid_budget_plan(name: str) -> MidBudgetPlan:
+    call = build_call(name)
+    reference = planner.optimize(call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40)
+    lowest, baseline = reference.min_peak_bytes, reference.baseline_peak_bytes
+    budget = int(lowest + MID_BUDGET_FRACTION * (baseline - lowest))
+    plan = planner.optimize(call.model, call.args, example_kwargs=call.kwargs, budget_bytes=budget)
+    return MidBudgetPlan(call=call, plan=plan, budget_bytes=budget)
+
+
+def one_call_step(module: nn.Module, call: ExampleCall, *, seed: int = 1234) -> StepResult:
+    """Forward and backward of `module(*call.args, **call.kwargs)` on a copy, under a fixed seed."""
+    module = copy.deepcopy(module)
+    torch.manual_seed(seed)
+    loss = default_loss(module(*call.args, **call.kwargs))
+    loss.backward()
+    return StepResult(
+        loss=loss.detach(),
+        gradients={name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None},
+        buffers={name: b.detach().clone() for name, b in module.named_buffers()},
+    )
+
+
+@pytest.mark.parametrize("name", entries(PLANNABLE))
+def test_real_model_plans_fits_predicts_and_keeps_gradients(name: str) -> None:
+    planned = mid_budget_plan(name)
+    plan, call = planned.plan, planned.call
+    assert plan.module is not None
+    assert plan.capture.split(" ")[0] == REAL_ZOO[name].capture, f"{name}: captured by {plan.capture}"
+
+    measured = planner.measure(copy.deepcopy(plan.module), call.args, example_kwargs=call.kwargs).peak_bytes
+    assert measured <= planned.budget_bytes, (
+        f"{name}: measured {measured} over budget {planned.budget_bytes}\n{plan.summary()}"
+    )
+    error = abs(plan.predicted_peak_bytes - measured) / measured
+    assert error <= PREDICTION_TOLERANCE, (
+        f"{name}: predicted {plan.predicted_peak_bytes}, measured {measured}"
+    )
+    assert_same_step(one_call_step(call.model, call), one_call_step(plan.module, call))
+
+
+def test_a_root_that_branches_on_a_tensor_names_the_construct_and_the_workaround() -> None:
+    call = build_call("branching_root")
+    with pytest.raises(planner.UnsupportedModel) as caught:
+        planner.optimize(call.model, call.args, budget_bytes=2**40)
+    message = str(caught.value)
+    for text in (
+        "BranchingRoot",
+        "torch.fx",
+        "control flow",
+        "torch.export",
+        "data-dependent",
+        "torch.where",
+    ):
+        assert text in message, message
+
+
+def test_hooks_run_once_per_call_and_are_never_replayed() -> None:
+    planned = mid_budget_plan("hooked_mlp")
+    assert planned.plan.regions, "the mid budget should checkpoint something"
+    hooked = {"blocks.1", "blocks.3", "blocks.4"}
+    for region in planned.plan.regions:
+        assert not hooked & set(region.modules), f"a hooked block was checkpointed: {region}"
+    module = copy.deepcopy(planned.plan.module)
+    default_loss(module(*planned.call.args)).backward()
+    assert module.get_buffer("blocks.1.forward_calls").item() == 1
+
+
+def test_export_refuses_submodules_with_hooks_instead_of_dropping_them() -> None:
+    call = build_call("transformer_encoder")
+    call.model.layers[0].register_forward_hook(lambda module, inputs, output: None)
+    with pytest.raises(planner.UnsupportedModel, match=r"layers\.0.*hooks"):
+        planner.optimize(call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40)
+
+
+@pytest.mark.parametrize(
+    ("name", "tied"),
+    [
+        pytest.param("tied_lm", ("lm_head.weight", "embedding.weight")),
+        pytest.param("hf_gpt2", ("lm_head.weight", "transformer.wte.weight"), marks=needs("hf_gpt2")),
+    ],
+)
+def test_tied_weights_stay_one_parameter_through_training(name: str, tied: tuple[str, str]) -> None:
+    planned = mid_budget_plan(name)
+    module = copy.deepcopy(planned.plan.module)
+    first, second = (module.get_parameter(path) for path in tied)
+    assert first is second
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
+    before = first.detach().clone()
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        default_loss(module(*planned.call.args, **planned.call.kwargs)).backward()
+        optimizer.step()
+    assert module.get_parameter(tied[0]) is module.get_parameter(tied[1])
+    assert not torch.equal(before, first), "the tied weight should have trained"
+
+
+def test_batchnorm_statistics_are_updated_once_per_step() -> None:
+    planned = mid_budget_plan("resnet")
+    assert planned.plan.regions
+    module = copy.deepcopy(planned.plan.module)
+    default_loss(module(*planned.call.args)).backward()
+    counts = [b.item() for name, b in module.named_buffers() if name.endswith("num_batches_tracked")]
+    assert counts and set(counts) == {1}
+
+
+@pytest.mark.parametrize("name", entries(["hf_bert"]))
+def test_an_exported_plan_rejects_a_call_of_another_shape_with_the_next_step(name: str) -> None:
+    planned = mid_budget_plan(name)
+    smaller = {key: value[:2] for key, value in planned.call.kwargs.items()}
+    with pytest.raises(ValueError, match="drop_last=True"):
+        planned.plan.module(**smaller)
+    planned.plan.module.eval()
+    try:
+        with torch.no_grad():
+            planned.plan.module(**smaller)  # evaluation runs the model's own forward: any shape
+    finally:
+        planned.plan.module.train()
+
+
+def test_keyword_inputs_bind_like_the_model_on_the_fx_path() -> None:
+    planned = mid_budget_plan("keyword_dataclass")
+    tokens = planned.call.args[0]
+    mask = planned.call.kwargs["attention_mask"]
+    torch.manual_seed(0)
+    by_keyword = planned.plan.module(token_ids=tokens, attention_mask=mask)
+    torch.manual_seed(0)
+    expected = planned.call.model(tokens, attention_mask=mask)
+    torch.testing.assert_close(by_keyword.logits, expected.logits)

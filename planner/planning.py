@@ -18,9 +18,10 @@ from planner.measurement import MeasuredStep, OptimizerSpec, default_loss, measu
 from planner.plan import Plan
 from planner.profile import DeviceSpec
 from planner.rewrite import rewrite
+from planner.sharding import Sharding, shard_graph
 from planner.solving import Frontier, pareto_frontier, plan_graph
 
-__all__ = ["measure", "optimize", "pareto"]
+__all__ = ["fsdp_unit_bytes", "measure", "optimize", "pareto"]
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,14 @@ def optimize(
     solver: str = "auto",
     cost_model: str = "measured",
     device: str | DeviceSpec | None = None,
+    world_size: int = 1,
+    sharding: str = "ddp",
 ) -> Plan:
     """Plan activation checkpointing so one training step of `model` fits the budget.
+
+    For data-parallel training over `world_size` ranks, pass the per-rank example batch and
+    `sharding="ddp"` (replicated state plus DDP's gradient buckets) or `"fsdp"` (state split across
+    ranks, one block gathered at a time); the budget is then one rank's memory (see sharding.py).
 
     Per-node times are measured on the model's device (`cost_model="measured"`) or priced by FLOPs
     and bytes on a named device (`cost_model="analytic", device="h100"`), which also plans a model
@@ -111,9 +118,47 @@ def optimize(
         cost_model=cost_model,
         device=device,
     )
+    graph = _per_rank_graph(graph, model, world_size=world_size, sharding=sharding)
     plan = plan_graph(graph, budget_bytes=budget, solver=solver)
     plan.module = rewrite(model, captured.graph_module, graph, plan.schedule, call=captured.call)
     return plan
+
+
+def _per_rank_graph(
+    graph: ActivationGraph, model: torch.nn.Module, *, world_size: int, sharding: str
+) -> ActivationGraph:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int (ranks of data parallelism), got {world_size!r}")
+    try:
+        placement = Sharding(sharding)
+    except ValueError as error:
+        choices = [member.value for member in Sharding]
+        raise ValueError(f"sharding={sharding!r} is not known; use one of {choices}") from error
+    return shard_graph(
+        graph, world_size=world_size, sharding=placement, unit_parameter_bytes=fsdp_unit_bytes(model)
+    )
+
+
+def fsdp_unit_bytes(model: torch.nn.Module) -> int:
+    """Parameter bytes of the largest unit FSDP gathers at once: a block of the model's longest
+    ModuleList/Sequential (where one calls `fully_shard` per block), or the parameters outside the
+    blocks, which the root unit holds (the whole model when it has no block stack)."""
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList | torch.nn.Sequential)]
+    blocks = list(max(stacks, key=len)) if stacks else []
+    seen: set[int] = set()
+    block_bytes = [_parameter_bytes(block, seen) for block in blocks]
+    rest_bytes = _parameter_bytes(model, seen)
+    return max([*block_bytes, rest_bytes])
+
+
+def _parameter_bytes(module: torch.nn.Module, seen: set[int]) -> int:
+    """Bytes of `module`'s parameters not already in `seen` (tied weights count once)."""
+    total = 0
+    for parameter in module.parameters():
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            total += parameter.numel() * parameter.element_size()
+    return total
 
 
 def pareto(

@@ -127,6 +127,13 @@ def _region_lines(graph: ActivationGraph, number: int, region: Region) -> list[s
             "# NOTE: holds BatchNorm-like state; plain checkpoint updates running statistics twice "
             "(plan.module does not)"
         )
+    if region.keep:
+        kept = ", ".join(graph.nodes[index].name for index in region.keep)
+        lines += [
+            f"# NOTE: the plan keeps the outputs of {kept} (a selective checkpoint policy); plain",
+            "# checkpoint recomputes them too: more recompute, and a larger replay than predicted",
+            "# (torch.utils.checkpoint.create_selective_checkpoint_contexts can keep them; plan.module does)",
+        ]
     call = region_call(graph, region)
     if call is not None:
         return [*lines, call]

@@ -307,8 +307,9 @@ def _region_rows(plan: Plan) -> list[str]:
         return ["  checkpointed regions: none (everything is stored, as without checkpointing)"]
     rows = [f"  checkpointed regions ({len(checkpointed)}, each recomputed once in backward):"]
     for number, region in enumerate(checkpointed, start=1):
+        kept = f", {len(region.keep)} kept by a selective policy" if region.keep else ""
         rows.append(
-            f"    {number}. {describe_region(plan.graph, region)}  ({region.stop - region.start} nodes)"
+            f"    {number}. {describe_region(plan.graph, region)}  ({region.stop - region.start} nodes{kept})"
         )
     return rows
 

@@ -261,3 +261,17 @@ def test_levers_at_the_lowest_peak_scale_the_lowest_plans_components() -> None:
     levers = levers_at_lowest_peak(graph)
     assert levers == estimate_levers(peak_components(graph, schedule), optimizer="adam")
     assert all(lever.saving_bytes == result.peak_bytes - lever.estimated_peak_bytes for lever in levers)
+
+
+def test_selective_keeps_are_counted_and_flagged_in_the_snippet() -> None:
+    graph = chain_graph(SIZES_MIB)
+    schedule = schedule_of(graph, (1, 4))
+    regions = tuple(
+        dataclasses.replace(region, keep=(2,)) if region.policy is RegionPolicy.CHECKPOINT else region
+        for region in schedule.regions
+    )
+    plan = plan_of(graph, dataclasses.replace(schedule, regions=regions))
+    assert "1. layers.1 .. layers.3  (3 nodes, 1 kept by a selective policy)" in plan.summary()
+    assert (
+        "# NOTE: the plan keeps the outputs of n2 (a selective checkpoint policy)" in plan.to_torch_snippet()
+    )

@@ -376,8 +376,9 @@ def _capture_fx(
             if failing is None or failing == "" or failing in opaque or len(opaque) >= MAX_OPAQUE_MODULES:
                 where = f"submodule {failing!r}" if failing else f"the forward of {type(model).__name__}"
                 raise UnsupportedModel(
-                    f"torch.fx cannot trace {where}: {_describe(error)} (move data-dependent control flow "
-                    "into a submodule, which FX keeps as one opaque node, or replace it with torch.where)"
+                    f"torch.fx cannot trace {where}: {_describe(error)} (FX follows tensor operations and "
+                    "module calls, not control flow on tensor values or item assignment: move such code "
+                    "into a submodule, which FX keeps as one opaque node, or branch with torch.where)"
                 ) from error
             log.info("fx could not trace %s (%s); keeping it opaque", failing, type(error).__name__)
             opaque.add(failing)

@@ -189,7 +189,7 @@ def _build_hf_vit() -> ExampleCall:
     )
 
 
-TRANSFORMER_WIDTH, TRANSFORMER_HEADS, TRANSFORMER_LAYERS = 64, 4, 3
+TRANSFORMER_WIDTH, TRANSFORMER_HEADS, TRANSFORMER_LAYERS = 64, 4, 2
 
 
 def _transformer_layer_options() -> dict[str, Any]:
@@ -349,15 +349,15 @@ class UNet(nn.Module):
 
 
 def _build_resnet() -> ExampleCall:
-    return ExampleCall(ResNet(), (torch.randn(16, 3, 32, 32),))
+    return ExampleCall(ResNet(), (torch.randn(8, 3, 32, 32),))
 
 
 def _build_densenet() -> ExampleCall:
-    return ExampleCall(DenseNet(), (torch.randn(16, 3, 32, 32),))
+    return ExampleCall(DenseNet(), (torch.randn(4, 3, 32, 32),))
 
 
 def _build_unet() -> ExampleCall:
-    return ExampleCall(UNet(), (torch.randn(8, 3, 32, 32),))
+    return ExampleCall(UNet(), (torch.randn(4, 3, 32, 32),))
 
 
 @dataclass
@@ -371,7 +371,7 @@ class TaggerOutput:
 class KeywordTagger(nn.Module):
     """Token tagger called with keyword-only inputs; returns a dataclass, a dict or a tuple."""
 
-    def __init__(self, vocabulary: int = 512, width: int = 128, depth: int = 4, tags: int = 16) -> None:
+    def __init__(self, vocabulary: int = 512, width: int = 128, depth: int = 3, tags: int = 16) -> None:
         super().__init__()
         self.embedding = nn.Embedding(vocabulary, width)
         self.blocks = nn.ModuleList(
@@ -406,8 +406,8 @@ class KeywordTagger(nn.Module):
 
 
 def _tagger_call(output: str) -> ExampleCall:
-    token_ids = torch.randint(512, (16, 64))
-    attention_mask = torch.ones(16, 64)
+    token_ids = torch.randint(512, (8, 64))
+    attention_mask = torch.ones(8, 64)
     attention_mask[:, -10:] = 0.0
     return ExampleCall(KeywordTagger(), (token_ids,), {"attention_mask": attention_mask, "output": output})
 
@@ -460,7 +460,7 @@ class TiedLanguageModel(nn.Module):
 
 
 def _build_tied_lm() -> ExampleCall:
-    return ExampleCall(TiedLanguageModel(), (torch.randint(1024, (16, 64)),))
+    return ExampleCall(TiedLanguageModel(), (torch.randint(1024, (8, 64)),))
 
 
 class ResidualBlock(nn.Module):
@@ -576,14 +576,14 @@ REAL_ZOO: dict[str, RealModel] = {
         ),
         RealModel(
             "transformer_encoder",
-            "nn.TransformerEncoder: 3 post-LN layers, width 64, 4 heads, dropout 0.1, batch_first; source "
+            "nn.TransformerEncoder: 2 post-LN layers, width 64, 4 heads, dropout 0.1, batch_first; source "
             "(8, 32, 64) with src_key_padding_mask (last 6 positions).",
             _seeded(_build_transformer_encoder),
             capture="export",
         ),
         RealModel(
             "transformer_decoder",
-            "nn.TransformerDecoder: 3 layers, width 64, 4 heads, dropout 0.1; target (8, 24, 64) with a "
+            "nn.TransformerDecoder: 2 layers, width 64, 4 heads, dropout 0.1; target (8, 24, 64) with a "
             "causal tgt_mask, memory (8, 32, 64).",
             _seeded(_build_transformer_decoder),
             capture="export",
@@ -591,28 +591,28 @@ REAL_ZOO: dict[str, RealModel] = {
         RealModel(
             "resnet",
             "CIFAR-style ResNet: stem and 3 stages of 2 basic blocks (16/32/64 channels), BatchNorm, "
-            "in-place ReLU and residual +=; batch 16 of 3x32x32.",
+            "in-place ReLU and residual +=; batch 8 of 3x32x32.",
             _seeded(_build_resnet),
             capture="fx",
         ),
         RealModel(
             "densenet",
             "DenseNet-BC: 2 dense blocks of 4 layers (growth 12, BN-ReLU-Conv1x1-BN-ReLU-Conv3x3, "
-            "concatenation), a pooling transition; batch 16 of 3x32x32.",
+            "concatenation), a pooling transition; batch 4 of 3x32x32.",
             _seeded(_build_densenet),
             capture="fx",
         ),
         RealModel(
             "unet",
             "Two-level U-Net: double 3x3 convolutions with BatchNorm, max pooling, transposed convolutions, "
-            "skip concatenation; batch 8 of 3x32x32, 2 classes per pixel.",
+            "skip concatenation; batch 4 of 3x32x32, 2 classes per pixel.",
             _seeded(_build_unet),
             capture="fx",
         ),
         RealModel(
             "keyword_dataclass",
             "Token tagger called with a keyword-only attention_mask and output='dataclass', returning a "
-            "dataclass of logits and a tuple of hidden states; tokens (16, 64).",
+            "dataclass of logits and a tuple of hidden states; 3 blocks, tokens (8, 64).",
             _seeded(lambda: _tagger_call("dataclass")),
             capture="fx",
         ),
@@ -638,7 +638,7 @@ REAL_ZOO: dict[str, RealModel] = {
         RealModel(
             "tied_lm",
             "Language model whose lm_head.weight is its embedding.weight (one Parameter), 4 MLP blocks of "
-            "width 128, vocabulary 1024; tokens (16, 64).",
+            "width 128, vocabulary 1024; tokens (8, 64).",
             _seeded(_build_tied_lm),
             capture="fx",
         ),

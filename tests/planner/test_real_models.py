@@ -5,6 +5,10 @@ gradients and buffers (dropout included, same seed).
 The budget is halfway between the plan's own predicted lowest and no-checkpointing peaks. Measured
 peaks are two real Adam steps under the live-storage tracker. Hugging Face entries are skipped when
 `transformers` is not installed (it is in the `dev` extra).
+
+Plans here come from the `dp` solver: whole regions, no selective keeps, so that what is checked is
+capture and rewrite; the `ilp` solver's keeps have their own tests (test_ilp.py, test_fidelity.py),
+and one test below runs the default solver on an exported graph, where keeps meet ATen composites.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from planner.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
 
 PREDICTION_TOLERANCE = 0.05
 MID_BUDGET_FRACTION = 0.5
+SOLVER = "dp"
 HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
 PLANNABLE = [name for name, entry in REAL_ZOO.items() if entry.capture != "unsupported"]
 
@@ -53,7 +58,9 @@ def mid_budget_plan(name: str) -> MidBudgetPlan:
     reference = planner.optimize(call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40)
     lowest, baseline = reference.min_peak_bytes, reference.baseline_peak_bytes
     budget = int(lowest + MID_BUDGET_FRACTION * (baseline - lowest))
-    plan = planner.optimize(call.model, call.args, example_kwargs=call.kwargs, budget_bytes=budget)
+    plan = planner.optimize(
+        call.model, call.args, example_kwargs=call.kwargs, budget_bytes=budget, solver=SOLVER
+    )
     return MidBudgetPlan(call=call, plan=plan, budget_bytes=budget)
 
 
@@ -176,3 +183,17 @@ def test_keyword_inputs_bind_like_the_model_on_the_fx_path() -> None:
     torch.manual_seed(0)
     expected = planned.call.model(tokens, attention_mask=mask)
     torch.testing.assert_close(by_keyword.logits, expected.logits)
+
+
+@pytest.mark.parametrize("name", entries(["hf_gpt2"]))
+def test_default_solver_keeps_inside_an_exported_graph_fit_and_keep_gradients(name: str) -> None:
+    """Selective keeps over ATen composites (attention with dropout) must replay, not crash."""
+    planned = mid_budget_plan(name)
+    call = planned.call
+    plan = planner.optimize(
+        call.model, call.args, example_kwargs=call.kwargs, budget_bytes=planned.budget_bytes
+    )
+    assert plan.module is not None
+    measured = planner.measure(copy.deepcopy(plan.module), call.args, example_kwargs=call.kwargs).peak_bytes
+    assert measured <= planned.budget_bytes
+    assert_same_step(one_call_step(call.model, call), one_call_step(plan.module, call))

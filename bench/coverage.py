@@ -3,10 +3,11 @@
 Why it exists: the planner's promise has to hold on the models people train, not only on the seed
 threads' chains. For every entry of `planner.zoo_real` (Hugging Face GPT-2, BERT, Llama, T5 and ViT
 from random-weight configs; nn.TransformerEncoder/Decoder; ResNet/DenseNet/U-Net-style CNNs; keyword
-inputs with dataclass/dict/tuple outputs; in-place ops; tied weights; hooks; one root that branches on a
+inputs with dataclass/dict/tuple outputs; in-place ops; tied weights; hooks; a root that branches on a
 tensor) and for two of them under bf16 autocast, it records:
 
-- the capture path `optimize` took (`fx`, `fx (opaque: ...)`, `export`) or the `UnsupportedModel` reason;
+- the capture path `optimize` took (`fx`, `fx (opaque: ...)`, `export`, `module`) or the `UnsupportedModel`
+  reason;
 - at the mid budget `min + 0.5 (baseline - min)` of the plan's own predictions: the predicted and the
   measured peak (two real Adam steps, `planner.measure`), the relative error and whether it fits;
 - whether one training step of `plan.module` gives the original's loss, gradients and buffers

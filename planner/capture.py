@@ -15,7 +15,9 @@ that takes the finest level that works and records which one it took (`Capture.p
    training. The unlifted graph fetches the model's own Parameter and buffer objects, so gradients and
    tied weights are the model's. It is specialised to the example call's structure and shapes: a call of
    another shape raises a ValueError that says so (see `GraphCall`).
-3. When neither works, `UnsupportedModel` names the construct each level failed on and the workaround.
+3. When neither works, `capture` raises `UnsupportedModel` naming the construct each level failed on
+   and the workaround; `optimize` then plans the model by its submodules, running its forward as
+   written (`"module"`, planner/module_level.py), and raises only if that finds none to checkpoint.
 
 NOTE [hooks]: hooks must behave as without checkpointing. The planned module shares the root's hook
 dictionaries, so the root's hooks run once per call; both levels trace the root's `forward`, not its

@@ -43,7 +43,7 @@ from planner.measurement import (
 from planner.profile import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
 from planner.simulate import simulate, store_everything
 
-__all__ = ["build_activation_graph", "LOSS_NODE"]
+__all__ = ["build_activation_graph", "LOSS_NODE", "static_bytes"]
 
 LOSS_NODE = "loss"
 META_PROBE_ELEMENTS = 2**16
@@ -477,6 +477,13 @@ def _static_bytes(
         optimizer_step_workspace_bytes=step_workspace_bytes,
     )
     return static, seen
+
+
+def static_bytes(
+    model: torch.nn.Module, inputs: Any, *, gradient_bytes: int, optimizer: OptimizerSpec
+) -> StaticBytes:
+    """Memory no schedule changes, for a profiler other than this module's (module_level.py)."""
+    return _static_bytes(model, tuple(tensors_in(inputs)), gradient_bytes, optimizer)[0]
 
 
 def _extra_static_tensors(graph_module: fx.GraphModule) -> list[torch.Tensor]:

@@ -11,10 +11,11 @@ from typing import Any
 import torch
 
 from planner.capture import Capture, capture
-from planner.errors import GIB
+from planner.errors import GIB, UnsupportedModel
 from planner.graph_build import build_activation_graph
 from planner.ir import ActivationGraph
 from planner.measurement import MeasuredStep, OptimizerSpec, default_loss, measure_step, tensors_in
+from planner.module_level import profile_units, rewrite_units
 from planner.plan import Plan
 from planner.profile import DeviceSpec
 from planner.rewrite import rewrite
@@ -109,19 +110,52 @@ def optimize(
     capture level works. The model is left unchanged; `plan.module` shares its parameters.
     """
     budget = _budget_bytes(budget_gb, budget_bytes)
-    captured, graph = _capture_and_profile(
-        model,
-        example_inputs,
-        example_kwargs,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
-        cost_model=cost_model,
-        device=device,
-    )
+    try:
+        captured, graph = _capture_and_profile(
+            model,
+            example_inputs,
+            example_kwargs,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            cost_model=cost_model,
+            device=device,
+        )
+    except UnsupportedModel as unsupported:
+        if cost_model != "measured":
+            raise
+        log.info("%s; planning by submodules", unsupported)
+        graph = _profile_units(model, example_inputs, example_kwargs, unsupported, optimizer, loss_fn)
+        graph = _per_rank_graph(graph, model, world_size=world_size, sharding=sharding)
+        plan = plan_graph(graph, budget_bytes=budget, solver=solver)
+        plan.module = rewrite_units(model, graph, plan.schedule)
+        return plan
     graph = _per_rank_graph(graph, model, world_size=world_size, sharding=sharding)
     plan = plan_graph(graph, budget_bytes=budget, solver=solver)
     plan.module = rewrite(model, captured.graph_module, graph, plan.schedule, call=captured.call)
     return plan
+
+
+def _profile_units(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    unsupported: UnsupportedModel,
+    optimizer: OptimizerSpec,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+) -> ActivationGraph:
+    """The module level of the capture chain (module_level.py), once FX and torch.export failed."""
+    inputs = _example_call(example_inputs, example_kwargs)
+    if not (inputs or example_kwargs):
+        raise unsupported
+    profile = profile_units(
+        model, inputs, example_kwargs or {}, loss_fn=loss_fn or default_loss, optimizer=optimizer
+    )
+    if not any(node.checkpointable for node in profile.graph.nodes):
+        raise UnsupportedModel(
+            f"{unsupported}; and the module level found no submodule to checkpoint among "
+            f"{list(profile.units)[:6]} (one must be called once per step and carry no hooks)"
+        ) from unsupported
+    return profile.graph
 
 
 def _per_rank_graph(

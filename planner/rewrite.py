@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -32,7 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from planner.capture import GraphCall
 from planner.ir import ActivationGraph, Region, Schedule
 
-__all__ = ["CheckpointedRegion", "rewrite", "planned_graph_of"]
+__all__ = ["CheckpointedRegion", "CheckpointedUnit", "rewrite", "planned_graph_of"]
 
 SPLIT_ATTRIBUTE = "_planner_split"
 REGION_PREFIX = "checkpointed_region_"
@@ -161,6 +162,60 @@ class CheckpointedRegion(torch.nn.Module):
             return checkpoint(
                 self.body, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts
             )
+
+
+UNIT_FORWARD_ATTRIBUTE = "_planner_unit_forward"
+
+
+class CheckpointedUnit:
+    """Runs one submodule under checkpoint in training, for plans made at the module level.
+
+    `wrap` returns a shallow copy of the unit whose class is a subclass of the unit's own: the same
+    parameters, buffers, submodules, hooks and state_dict keys, only `forward` checkpoints the unit's
+    own forward (RNG replayed, buffers restored after the replay, as for CheckpointedRegion).
+    """
+
+    @staticmethod
+    def wrap(unit: torch.nn.Module) -> torch.nn.Module:
+        wrapped = copy.copy(unit)
+        wrapped.__class__ = _checkpointed_class(type(unit))
+        return wrapped
+
+
+_CHECKPOINTED_CLASSES: dict[type[torch.nn.Module], type[torch.nn.Module]] = {}
+"""One checkpointing subclass per unit class, so that wrapped units of one class share a class."""
+
+
+def _checkpointed_class(unit_class: type[torch.nn.Module]) -> type[torch.nn.Module]:
+    if unit_class not in _CHECKPOINTED_CLASSES:
+        _CHECKPOINTED_CLASSES[unit_class] = type(
+            f"Checkpointed{unit_class.__name__}",
+            (unit_class,),
+            {"forward": _checkpointed_unit_forward, UNIT_FORWARD_ATTRIBUTE: unit_class.forward},
+        )
+    return _CHECKPOINTED_CLASSES[unit_class]
+
+
+def _checkpointed_unit_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    forward = functools.partial(getattr(type(self), UNIT_FORWARD_ATTRIBUTE), self)
+    if not (self.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    if torch.compiler.is_compiling():  # see NOTE [torch.compile]
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    with _autocast_uncached():
+        return checkpoint(
+            forward,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=functools.partial(_unit_contexts, self),
+            **kwargs,
+        )
+
+
+def _unit_contexts(unit: torch.nn.Module) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+    has_buffers = any(True for _ in unit.buffers())
+    return nullcontext(), _buffers_restored(unit) if has_buffers else nullcontext()
 
 
 AUTOCAST_DEVICES = ("cpu", "cuda")

@@ -6,8 +6,8 @@ models (GPT-2, BERT, Llama, T5, ViT) built from random-weight configs, PyTorch's
 `nn.TransformerEncoder`/`nn.TransformerDecoder` stacks, ResNet-, DenseNet- and U-Net-style CNNs
 (BatchNorm, residual additions, concatenation), and small models for the Python features that trip
 capture: dataclass outputs with keyword-only inputs, in-place operations, tied weights, and hooks. One
-model branches on a tensor's value in its root `forward`, which no capture level can follow, so the
-error path is exercised too.
+model branches on a tensor's value in its root `forward`, which neither torch.fx nor torch.export can
+follow, so it is planned by its submodules (planner/module_level.py).
 
 Each entry says which capture path it is expected to take (`RealModel.capture`). `build()` runs under
 a fixed seed without consuming the caller's RNG stream and returns the model in train mode with its
@@ -69,7 +69,7 @@ class RealModel:
     description: str
     build: Callable[[], ExampleCall]
     capture: str
-    """Expected `Plan.capture`: "fx", "export", or "unsupported" (no level can capture it)."""
+    """Expected `Plan.capture`: "fx", "export" or "module" (see planner/capture.py, module_level.py)."""
     requires: str | None = None
 
 
@@ -514,21 +514,22 @@ def _build_hooked_mlp() -> ExampleCall:
 
 
 class BranchingRoot(nn.Module):
-    """Chooses a path on the sign of its input's mean in the root forward: FX and torch.export both fail."""
+    """Runs its blocks forwards or backwards by the sign of the input's mean, in the root forward:
+    control flow on a tensor's value, which neither torch.fx nor torch.export can follow."""
 
-    def __init__(self, width: int = 128) -> None:
+    def __init__(self, width: int = 128, depth: int = 4) -> None:
         super().__init__()
-        self.positive = ResidualBlock(width)
-        self.negative = ResidualBlock(width)
+        self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.mean() > 0:
-            return self.positive(x)
-        return self.negative(x)
+        order = list(self.blocks) if x.mean() > 0 else list(reversed(self.blocks))
+        for block in order:
+            x = block(x)
+        return x
 
 
 def _build_branching_root() -> ExampleCall:
-    return ExampleCall(BranchingRoot(), (torch.randn(64, 128),))
+    return ExampleCall(BranchingRoot(), (torch.randn(256, 128),))
 
 
 REAL_ZOO: dict[str, RealModel] = {
@@ -651,9 +652,10 @@ REAL_ZOO: dict[str, RealModel] = {
         ),
         RealModel(
             "branching_root",
-            "Two residual blocks chosen by the sign of the input's mean in the root forward.",
+            "4 residual MLP blocks of width 128, run forwards or backwards by the sign of the input's "
+            "mean in the root forward; batch 256.",
             _seeded(_build_branching_root),
-            capture="unsupported",
+            capture="module",
         ),
     )
 }

@@ -32,7 +32,7 @@ PREDICTION_TOLERANCE = 0.05
 MID_BUDGET_FRACTION = 0.5
 SOLVER = "dp"
 HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
-PLANNABLE = [name for name, entry in REAL_ZOO.items() if entry.capture != "unsupported"]
+PLANNABLE = list(REAL_ZOO)
 
 
 def needs(name: str) -> list[pytest.MarkDecorator]:
@@ -95,19 +95,24 @@ def test_real_model_plans_fits_predicts_and_keeps_gradients(name: str) -> None:
     assert_same_step(one_call_step(call.model, call), one_call_step(plan.module, call))
 
 
-def test_a_root_that_branches_on_a_tensor_names_the_construct_and_the_workaround() -> None:
-    call = build_call("branching_root")
+class BareBranches(nn.Module):
+    """Control flow on a tensor's value and no submodule to plan by: no capture level works."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x @ self.weight
+        return x @ self.weight.t()
+
+
+def test_a_model_no_level_captures_names_each_construct_and_the_workaround() -> None:
     with pytest.raises(planner.UnsupportedModel) as caught:
-        planner.optimize(call.model, call.args, budget_bytes=2**40)
+        planner.optimize(BareBranches(), torch.randn(4, 8), budget_bytes=2**40)
     message = str(caught.value)
-    for text in (
-        "BranchingRoot",
-        "torch.fx",
-        "control flow",
-        "torch.export",
-        "data-dependent",
-        "torch.where",
-    ):
+    for text in ("BareBranches", "torch.fx", "control flow", "torch.export", "torch.where", "module level"):
         assert text in message, message
 
 
@@ -122,11 +127,28 @@ def test_hooks_run_once_per_call_and_are_never_replayed() -> None:
     assert module.get_buffer("blocks.1.forward_calls").item() == 1
 
 
-def test_export_refuses_submodules_with_hooks_instead_of_dropping_them() -> None:
+def test_hooked_submodules_of_an_exportable_model_are_planned_at_the_module_level() -> None:
+    """torch.export would inline the hooked last layer; the module level calls it and checkpoints only
+    the first, whose replay does not run the hook."""
     call = build_call("transformer_encoder")
-    call.model.layers[0].register_forward_hook(lambda module, inputs, output: None)
-    with pytest.raises(planner.UnsupportedModel, match=r"layers\.0.*hooks"):
-        planner.optimize(call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40)
+    calls: list[int] = []
+    call.model.layers[1].register_forward_hook(lambda module, inputs, output: calls.append(1))
+    reference = planner.optimize(
+        call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40, solver=SOLVER
+    )
+    assert reference.capture == "module"
+    plan = planner.optimize(
+        call.model,
+        call.args,
+        example_kwargs=call.kwargs,
+        budget_bytes=reference.min_peak_bytes,
+        solver=SOLVER,
+    )
+    assert [region.modules for region in plan.regions] == [("layers.0",)]
+    calls.clear()
+    assert plan.module is not None
+    assert_same_step(one_call_step(call.model, call), one_call_step(plan.module, call))
+    assert len(calls) == 2, "the hook runs once per forward: once for the model, once for the plan"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,456 @@
+"""What the benchmarks compare against: the checkpointing users write by hand, and fair ways to time it.
+
+Why it exists: bench/fidelity.py and bench/compare.py both set our plans beside the same two peers and
+must build, check and time them the same way, so the peers live here once:
+
+- "sqrt(n) segments": what `torch.utils.checkpoint.checkpoint_sequential` does (sqrt(n) equal segments,
+  all but the last checkpointed), on the model's Sequential or ModuleList of blocks;
+- "every block": what `gradient_checkpointing_enable` does: each block under its own non-reentrant
+  checkpoint (Hugging Face's own switch on a Hugging Face model, `checkpoint_wrapper` elsewhere).
+
+Each peer is built on a deep copy (`Variant`), its loss, gradients and buffers are compared with the
+unmodified model's after one step under one seed (dropout included), and training steps are timed in
+interleaved rounds (`interleaved_step_ms`) so that drift in the machine's speed hits every variant
+alike. A model's example call is `model(*inputs, **kwargs)`; `kwargs` may be omitted.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.utils.checkpoint import checkpoint_sequential
+
+from planner.measurement import default_loss
+
+__all__ = [
+    "EVERY_BLOCK",
+    "GRADIENT_RTOL",
+    "MIB",
+    "SQRT_SEGMENTS",
+    "BlockContainer",
+    "Contender",
+    "StepRecord",
+    "Variant",
+    "buffer_mismatch",
+    "contender",
+    "copied_variant",
+    "every_block_peer",
+    "find_block_container",
+    "fmt",
+    "fresh_inputs",
+    "fresh_kwargs",
+    "gradient_mismatch",
+    "interleaved_step_ms",
+    "machine",
+    "mib",
+    "one_step",
+    "paired_ratio",
+    "planner_revision",
+    "record_step",
+    "sqrt_segments_peer",
+    "variant_of",
+    "yes_no",
+]
+
+WARMUP_STEPS = 2
+GRADIENT_RTOL = 1e-5
+STEP_SEED = 1234
+"""Seed set before each compared forward, so dropout draws the same masks in every variant."""
+MIN_CONTAINER_CHILDREN = 3
+MIB = 2**20
+SQRT_SEGMENTS = "sqrt(n) segments"
+EVERY_BLOCK = "every block"
+NO_REENTRANT = {"use_reentrant": False}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A model variant and, in the unmodified model's order, the parameters and buffers it trains."""
+
+    module: nn.Module
+    parameters: tuple[nn.Parameter, ...]
+    buffers: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Loss, gradients (parameters, then inputs) and buffers after one forward and backward."""
+
+    loss: torch.Tensor
+    gradients: tuple[torch.Tensor | None, ...]
+    buffers: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class BlockContainer:
+    """Where a model's repeated blocks live: a Sequential, a ModuleList, or the root's own children."""
+
+    path: str
+    kind: str
+    child_names: tuple[str, ...]
+
+
+def fresh_inputs(inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """Copies of the example inputs, so no variant sees another's `.grad` or in-place change."""
+    return tuple(
+        value.detach().clone().requires_grad_(value.requires_grad)
+        if isinstance(value, torch.Tensor)
+        else value
+        for value in inputs
+    )
+
+
+def fresh_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Copies of the example keyword inputs (see `fresh_inputs`)."""
+    if not kwargs:
+        return {}
+    return dict(zip(kwargs, fresh_inputs(tuple(kwargs.values())), strict=True))
+
+
+def variant_of(module: nn.Module) -> Variant:
+    return Variant(module=module, parameters=tuple(module.parameters()), buffers=tuple(module.buffers()))
+
+
+def copied_variant(variant: Variant) -> Variant:
+    """A deep copy of `variant` whose parameter and buffer lists still line up with the unmodified model's."""
+    memo: dict[int, Any] = {}
+    module = copy.deepcopy(variant.module, memo)
+    return Variant(
+        module=module,
+        parameters=tuple(memo[id(parameter)] for parameter in variant.parameters),
+        buffers=tuple(memo[id(buffer)] for buffer in variant.buffers),
+    )
+
+
+def record_step(
+    variant: Variant, inputs: Sequence[Any], *, kwargs: Mapping[str, Any] | None = None
+) -> StepRecord:
+    """Forward and backward of `variant` itself (its gradients and buffers change) under `STEP_SEED`."""
+    step_inputs = fresh_inputs(inputs)
+    torch.manual_seed(STEP_SEED)
+    loss = default_loss(variant.module(*step_inputs, **fresh_kwargs(kwargs)))
+    loss.backward()
+    input_gradients = [
+        value.grad for value in step_inputs if isinstance(value, torch.Tensor) and value.requires_grad
+    ]
+    return StepRecord(
+        loss=loss.detach(),
+        gradients=tuple(p.grad for p in variant.parameters) + tuple(input_gradients),
+        buffers=tuple(buffer.detach().clone() for buffer in variant.buffers),
+    )
+
+
+def one_step(
+    variant: Variant, inputs: Sequence[Any], *, kwargs: Mapping[str, Any] | None = None
+) -> StepRecord:
+    """Forward and backward of a copy of `variant` under `STEP_SEED`."""
+    return record_step(copied_variant(variant), inputs, kwargs=kwargs)
+
+
+def gradient_mismatch(expected: StepRecord, actual: StepRecord, *, rtol: float = GRADIENT_RTOL) -> str | None:
+    """Why the loss or a gradient differs beyond `rtol` (of the gradient's scale), or None when they match."""
+    try:
+        torch.testing.assert_close(actual.loss, expected.loss, rtol=rtol, atol=0.0)
+        for index, (want, got) in enumerate(zip(expected.gradients, actual.gradients, strict=True)):
+            if want is None or got is None:
+                if want is not got:
+                    return f"gradient {index}: one variant has no gradient"
+                continue
+            scale = want.abs().max().item() or 1.0
+            torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * scale)
+    except AssertionError as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+def buffer_mismatch(expected: StepRecord, actual: StepRecord, names: Sequence[str]) -> str | None:
+    """Which buffers (BatchNorm statistics) differ after one step, or None when all are equal."""
+    differing = [
+        name
+        for name, want, got in zip(names, expected.buffers, actual.buffers, strict=True)
+        if not torch.equal(want, got)
+    ]
+    if not differing:
+        return None
+    return f"{len(differing)} of {len(names)} buffers differ after one step, first {differing[0]!r}"
+
+
+def find_block_container(model: nn.Module) -> BlockContainer:
+    """The root if it is a Sequential, else the Sequential/ModuleList with most children, else the root."""
+    if isinstance(model, nn.Sequential):
+        return BlockContainer(path="", kind="Sequential", child_names=tuple(model._modules))
+    candidates = [
+        (path, module)
+        for path, module in model.named_modules()
+        if isinstance(module, nn.Sequential | nn.ModuleList)
+    ]
+    if candidates:
+        path, module = max(candidates, key=lambda pair: len(pair[1]))
+        if len(module) >= MIN_CONTAINER_CHILDREN:
+            return BlockContainer(path=path, kind=type(module).__name__, child_names=tuple(module._modules))
+    return BlockContainer(path="", kind="root children", child_names=tuple(model._modules))
+
+
+def replace_submodule(root: nn.Module, path: str, replacement: nn.Module) -> nn.Module:
+    """Put `replacement` at `path` in `root`; returns the root (`replacement` itself when path is '')."""
+    if not path:
+        return replacement
+    parent_path, _, leaf = path.rpartition(".")
+    setattr(root.get_submodule(parent_path), leaf, replacement)
+    return root
+
+
+def chain_violation(
+    model: nn.Module,
+    container: BlockContainer,
+    inputs: Sequence[Any],
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+) -> str | None:
+    """Why the model's forward does not run the container's children as a chain x = child(x), or None.
+
+    Checked on a copy with forward hooks: each child must be called once, in order, with one positional
+    tensor that is the previous child's output. Only then can consecutive children be regrouped.
+    """
+    probe = copy.deepcopy(model)
+    parent = probe.get_submodule(container.path)
+    calls: list[tuple[str, tuple[Any, ...], Any]] = []
+
+    def recorder(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            calls.append((name, args, output))
+
+        return hook
+
+    handles = [getattr(parent, name).register_forward_hook(recorder(name)) for name in container.child_names]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            probe(*fresh_inputs(inputs), **fresh_kwargs(kwargs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    called = tuple(name for name, _, _ in calls)
+    if called != container.child_names:
+        return f"the forward calls the blocks as {list(called)}, not once each in order"
+    for (_, _, previous_output), (name, args, _) in itertools.pairwise(calls):
+        if len(args) != 1 or args[0] is not previous_output:
+            return f"block {name!r} does not take the previous block's output alone (ops run between blocks)"
+    return None
+
+
+class CheckpointedSequential(nn.Module):
+    """An nn.Sequential run by `checkpoint_sequential`: `segments` segments, all but the last checkpointed."""
+
+    def __init__(self, sequential: nn.Sequential, segments: int) -> None:
+        super().__init__()
+        self.sequential = sequential
+        self.segments = segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_sequential(self.sequential, self.segments, x, use_reentrant=False)
+
+
+def sqrt_segments(block_count: int) -> int:
+    return max(1, round(math.sqrt(block_count)))
+
+
+def grouped_module_list(blocks: nn.ModuleList, segments: int) -> nn.ModuleList:
+    """The blocks regrouped as `checkpoint_sequential` would: equal checkpointed segments, then the rest."""
+    children = list(blocks)
+    size = len(children) // segments
+    groups: list[nn.Module] = [
+        checkpoint_wrapper(
+            nn.Sequential(*children[start : start + size]), checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        )
+        for start in range(0, size * (segments - 1), size)
+    ]
+    groups.append(nn.Sequential(*children[size * (segments - 1) :]))
+    return nn.ModuleList(groups)
+
+
+def sqrt_segments_peer(
+    model: nn.Module, inputs: Sequence[Any], *, kwargs: Mapping[str, Any] | None = None
+) -> tuple[Variant | None, str]:
+    """The "sqrt(n) segments" peer on a deep copy, or None and the reason it does not apply."""
+    container = find_block_container(model)
+    block_count = len(container.child_names)
+    segments = sqrt_segments(block_count)
+    where = f"{container.kind} {container.path or '<root>'} ({block_count} blocks, {segments} segments)"
+    if container.kind == "root children":
+        return None, (
+            f"{type(model).__name__} has no Sequential/ModuleList of >= {MIN_CONTAINER_CHILDREN} blocks; its "
+            f"forward calls {list(container.child_names)} by name, so grouping them needs a rewritten forward"
+        )
+    if container.kind == "ModuleList":
+        violation = chain_violation(model, container, inputs, kwargs=kwargs)
+        if violation is not None:
+            return None, f"{where}: {violation}"
+    variant = variant_of(copy.deepcopy(model))
+    blocks = variant.module.get_submodule(container.path)
+    if isinstance(blocks, nn.Sequential):
+        replacement: nn.Module = CheckpointedSequential(blocks, segments)
+        description = f"checkpoint_sequential over {where}"
+    else:
+        assert isinstance(blocks, nn.ModuleList)
+        replacement = grouped_module_list(blocks, segments)
+        description = f"checkpoint_wrapper on each of the first {segments - 1} equal groups of {where}"
+    module = replace_submodule(variant.module, container.path, replacement)
+    return Variant(module=module, parameters=variant.parameters, buffers=variant.buffers), description
+
+
+def hugging_face_peer(model: nn.Module) -> tuple[Variant, str] | None:
+    """Hugging Face's own switch on a copy of a model that supports it, else None.
+
+    transformers 5 renamed `gradient_checkpointing_enable` to `activation_checkpointing_enable` (the old
+    name still works, with a warning); either checkpoints every decoder/encoder layer.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return None
+    variant = variant_of(copy.deepcopy(model))
+    switch = "activation_checkpointing"
+    if not hasattr(variant.module, f"{switch}_enable"):
+        switch = "gradient_checkpointing"
+    getattr(variant.module, f"{switch}_enable")(**{f"{switch}_kwargs": NO_REENTRANT})
+    return variant, f"Hugging Face {switch}_enable(use_reentrant=False): every layer"
+
+
+def every_block_peer(model: nn.Module) -> tuple[Variant, str]:
+    """The "every block" peer: Hugging Face's switch, else each child of the block container wrapped by
+    `checkpoint_wrapper`."""
+    hugging_face = hugging_face_peer(model)
+    if hugging_face is not None:
+        return hugging_face
+    container = find_block_container(model)
+    variant = variant_of(copy.deepcopy(model))
+    parent = variant.module.get_submodule(container.path)
+    for name in container.child_names:
+        wrapped = checkpoint_wrapper(getattr(parent, name), checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        setattr(parent, name, wrapped)
+    description = (
+        f"checkpoint_wrapper(NO_REENTRANT) on each of {len(container.child_names)} children of "
+        f"{container.kind} {container.path or '<root>'}"
+    )
+    return variant, description
+
+
+@dataclass
+class Contender:
+    """One variant being timed: its module, Adam optimizer and inputs."""
+
+    name: str
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    inputs: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    step_ms: list[float] = field(default_factory=list)
+
+
+def contender(
+    name: str,
+    module: nn.Module,
+    inputs: Sequence[Any],
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    copy_module: bool = True,
+) -> Contender:
+    """A Contender on a deep copy of `module`, or on `module` itself (a compiled module keeps its code)."""
+    timed = copy.deepcopy(module) if copy_module else module
+    # The same optimizer `planner.measure` builds for optimizer="adam".
+    optimizer = torch.optim.Adam([p for p in timed.parameters() if p.requires_grad], lr=1e-3)
+    return Contender(
+        name=name, module=timed, optimizer=optimizer, inputs=fresh_inputs(inputs), kwargs=fresh_kwargs(kwargs)
+    )
+
+
+def training_step_ms(runner: Contender) -> float:
+    """One training step as `planner.measure` runs it: zero_grad, forward, default loss, backward, Adam."""
+    started_s = time.perf_counter()
+    runner.optimizer.zero_grad(set_to_none=True)
+    for value in (*runner.inputs, *runner.kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            value.grad = None
+    loss = default_loss(runner.module(*runner.inputs, **runner.kwargs))
+    loss.backward()
+    runner.optimizer.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started_s) * 1e3
+
+
+def round_order(runners: Sequence[Contender], round_index: int) -> list[Contender]:
+    """Round `round_index`'s order: the runners rotated by the round, reversed on every other pass, so
+    each runner takes every position and follows different neighbours (n! orders would not fit)."""
+    shift = round_index % len(runners)
+    rotated = [*runners[shift:], *runners[:shift]]
+    return rotated[::-1] if (round_index // len(runners)) % 2 else rotated
+
+
+def interleaved_step_ms(runners: Sequence[Contender], *, rounds: int) -> None:
+    """Warm up each runner, then time `rounds` rounds of one step each, in a different order each round."""
+    for runner in runners:
+        for _ in range(WARMUP_STEPS):
+            training_step_ms(runner)
+    for round_index in range(rounds):
+        for runner in round_order(runners, round_index):
+            runner.step_ms.append(training_step_ms(runner))
+
+
+def paired_ratio(numerator: Contender, denominator: Contender) -> float:
+    """Median over rounds of the per-round step-time ratio (robust to drift between rounds)."""
+    return statistics.median(a / b for a, b in zip(numerator.step_ms, denominator.step_ms, strict=True))
+
+
+def mib(size_bytes: int | None) -> str:
+    return "—" if size_bytes is None else f"{size_bytes / MIB:.2f}"
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None or math.isnan(value) else format(value, spec)
+
+
+def yes_no(value: bool | None) -> str:
+    return "—" if value is None else ("yes" if value else "**no**")
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "load_average_1_5_15_min": list(os.getloadavg()),
+    }
+
+
+def planner_revision() -> dict[str, Any]:
+    """The commit and uncommitted files of the checkout being measured (the package changes often)."""
+    repository = Path(__file__).resolve().parent.parent
+
+    def git(*arguments: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *arguments], cwd=repository, capture_output=True, text=True, check=True
+            )
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        return done.stdout.rstrip()
+
+    status = git("status", "--porcelain", "--", "planner")
+    return {"commit": git("rev-parse", "HEAD"), "uncommitted": status.splitlines() if status else []}

@@ -3,8 +3,9 @@
 Why it exists: some root forwards cannot be traced by torch.fx or torch.export (Python control flow
 on tensor values, hooks that export would inline). Their submodules can still be checkpointed one at
 a time, as `gradient_checkpointing_enable` does, and the planner can still choose which ones from a
-measured step. Here the root's forward runs eagerly, and its *units* are the nodes of the activation
-graph:
+measured step. `optimize(..., sharding="fsdp")` plans here directly, because FSDP2's `fully_shard` needs
+its blocks called as modules (NOTE [FSDP2] in rewrite.py). At this level the root's forward runs eagerly,
+and its *units* are the nodes of the activation graph:
 
 - Units are the root's children, with containers (ModuleList/ModuleDict/Sequential) replaced by their
   children, and a unit that holds most of the parameters replaced by its children too, so that a
@@ -14,6 +15,14 @@ graph:
   reads the storages it frees (so liveness is the eager run's); saved tensors are attributed by
   `saved_tensors_hooks`; backward is split by pre-hooks on the grad_fns of each unit's outputs.
   Workspace is calibrated against the simulator, as in graph_build (see NOTE [measured residuals]).
+- NOTE [returned storages]: the storages a unit returns are created by the glue node after its call,
+  where the root's code receives them. A cut (solvers/chain.py) needs every storage crossing it to be
+  made by the node just before it; were the outputs the unit's own, the glue between two units that
+  the root chains directly (`x = block(x)`, a glue node that makes nothing) would stand between them
+  and their reader, and no region could start at the second unit. Checkpointed, a unit's outputs
+  outlive it anyway (checkpoint returns them); inside the call they are measured in its workspace,
+  which the prediction of its replay also counts, so that prediction is high by up to the outputs'
+  bytes (checkpoint's replay stops at the last saved tensor, before it remakes them).
 - Glue is never checkpointed, and a unit only when it is called once per step and carries no hooks
   (a replay would run them again), so a checkpointed region is exactly one unit call.
   `rewrite_units` wraps those units in checkpoint on a copy of the module tree along their paths,
@@ -195,11 +204,19 @@ class _Profiler:
     def after_unit(self, output: Any) -> None:
         segment = self.tracker.current
         assert segment is not None and segment.is_unit
+        returned: list[str] = []
         for tensor in tensors_in(output):
             if tensor.grad_fn is not None and id(tensor.grad_fn) not in self.grad_fn_owner:
                 self.grad_fn_owner[id(tensor.grad_fn)] = segment
                 tensor.grad_fn.register_prehook(lambda _grads, segment=segment: self.open_backward(segment))
+            storage = self.tracker.name_of(tensor)
+            if storage in segment.creates and storage not in returned:
+                returned.append(storage)
         self.open_glue()
+        glue = self.tracker.current
+        assert glue is not None
+        segment.creates = [storage for storage in segment.creates if storage not in returned]
+        glue.creates[:0] = returned  # see NOTE [returned storages]
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         segment = self.tracker.current

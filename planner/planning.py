@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import time
@@ -18,7 +20,7 @@ from planner.measurement import MeasuredStep, OptimizerSpec, default_loss, measu
 from planner.module_level import profile_units, rewrite_units
 from planner.plan import Plan
 from planner.profile import DeviceSpec
-from planner.rewrite import rewrite
+from planner.rewrite import fully_sharded_modules, rewrite
 from planner.sharding import Sharding, shard_graph
 from planner.solving import Frontier, pareto_frontier, plan_graph
 
@@ -98,6 +100,9 @@ def optimize(
     For data-parallel training over `world_size` ranks, pass the per-rank example batch and
     `sharding="ddp"` (replicated state plus DDP's gradient buckets) or `"fsdp"` (state split across
     ranks, one block gathered at a time); the budget is then one rank's memory (see sharding.py).
+    With `"fsdp"` (and measured costs) the plan is made by submodules, so that `plan.module` trains
+    under FSDP2: `fully_shard` each block of `plan.module`, then `plan.module` (NOTE [FSDP2] in
+    rewrite.py). Raises `UnsupportedModel` for a model that `fully_shard` already wraps.
 
     Per-node times are measured on the model's device (`cost_model="measured"`) or priced by FLOPs
     and bytes on a named device (`cost_model="analytic", device="h100"`), which also plans a model
@@ -110,6 +115,22 @@ def optimize(
     capture level works. The model is left unchanged; `plan.module` shares its parameters.
     """
     budget = _budget_bytes(budget_gb, budget_bytes)
+    placement = _sharding(world_size, sharding)
+    _refuse_sharded_model(model)
+    by_units = functools.partial(
+        _plan_by_units,
+        model,
+        example_inputs,
+        example_kwargs,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        budget_bytes=budget,
+        solver=solver,
+        world_size=world_size,
+        placement=placement,
+    )
+    if placement is Sharding.FSDP and cost_model == "measured":
+        return by_units(reason=FSDP_UNITS_REASON)
     try:
         captured, graph = _capture_and_profile(
             model,
@@ -124,53 +145,89 @@ def optimize(
         if cost_model != "measured":
             raise
         log.info("%s; planning by submodules", unsupported)
-        graph = _profile_units(model, example_inputs, example_kwargs, unsupported, optimizer, loss_fn)
-        graph = _per_rank_graph(graph, model, world_size=world_size, sharding=sharding)
-        plan = plan_graph(graph, budget_bytes=budget, solver=solver)
-        plan.module = rewrite_units(model, graph, plan.schedule)
-        return plan
-    graph = _per_rank_graph(graph, model, world_size=world_size, sharding=sharding)
+        return by_units(reason=str(unsupported))
+    graph = shard_graph(
+        graph, world_size=world_size, sharding=placement, unit_parameter_bytes=fsdp_unit_bytes(model)
+    )
     plan = plan_graph(graph, budget_bytes=budget, solver=solver)
     plan.module = rewrite(model, captured.graph_module, graph, plan.schedule, call=captured.call)
     return plan
+
+
+FSDP_UNITS_REASON = "sharding='fsdp' plans by submodules, so that fully_shard's units run as module calls"
+"""Why FSDP plans skip FX and torch.export (see NOTE [FSDP2] in rewrite.py)."""
+FSDP_CAPTURE_NOTE = "fsdp units"
+"""Appended to `Plan.capture` of a plan made for FSDP: "module (fsdp units)"."""
+
+
+def _plan_by_units(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    *,
+    reason: str,
+    optimizer: OptimizerSpec,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    budget_bytes: int,
+    solver: str,
+    world_size: int,
+    placement: Sharding,
+) -> Plan:
+    """Plan at the module level (module_level.py); `reason` says why the finer levels were not used."""
+    graph = _profile_units(model, example_inputs, example_kwargs, reason, optimizer, loss_fn)
+    if placement is Sharding.FSDP:
+        graph = dataclasses.replace(graph, capture=f"{graph.capture} ({FSDP_CAPTURE_NOTE})")
+    graph = shard_graph(
+        graph, world_size=world_size, sharding=placement, unit_parameter_bytes=fsdp_unit_bytes(model)
+    )
+    plan = plan_graph(graph, budget_bytes=budget_bytes, solver=solver)
+    plan.module = rewrite_units(model, graph, plan.schedule)
+    return plan
+
+
+def _refuse_sharded_model(model: torch.nn.Module) -> None:
+    """Profiling a model that fully_shard already wraps would plan DTensor shards and run collectives."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    sharded = fully_sharded_modules(model)
+    if sharded:
+        raise UnsupportedModel(
+            f"fully_shard (FSDP2) already wraps {sharded[0] or 'the model'!r}: plan the unsharded model. "
+            "Call plan = planner.optimize(model, ..., sharding='fsdp') first, then fully_shard each block "
+            "of plan.module and plan.module itself."
+        )
 
 
 def _profile_units(
     model: torch.nn.Module,
     example_inputs: Any,
     example_kwargs: Mapping[str, Any] | None,
-    unsupported: UnsupportedModel,
+    reason: str,
     optimizer: OptimizerSpec,
     loss_fn: Callable[[Any], torch.Tensor] | None,
 ) -> ActivationGraph:
-    """The module level of the capture chain (module_level.py), once FX and torch.export failed."""
+    """The module level of the capture chain (module_level.py), used for `reason`."""
     inputs = _example_call(example_inputs, example_kwargs)
-    if not (inputs or example_kwargs):
-        raise unsupported
     profile = profile_units(
         model, inputs, example_kwargs or {}, loss_fn=loss_fn or default_loss, optimizer=optimizer
     )
     if not any(node.checkpointable for node in profile.graph.nodes):
         raise UnsupportedModel(
-            f"{unsupported}; and the module level found no submodule to checkpoint among "
+            f"{reason}; and the module level found no submodule to checkpoint among "
             f"{list(profile.units)[:6]} (one must be called once per step and carry no hooks)"
-        ) from unsupported
+        )
     return profile.graph
 
 
-def _per_rank_graph(
-    graph: ActivationGraph, model: torch.nn.Module, *, world_size: int, sharding: str
-) -> ActivationGraph:
+def _sharding(world_size: int, sharding: str) -> Sharding:
+    """The checked `world_size` and `sharding` arguments of `optimize`."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int (ranks of data parallelism), got {world_size!r}")
     try:
-        placement = Sharding(sharding)
+        return Sharding(sharding)
     except ValueError as error:
         choices = [member.value for member in Sharding]
         raise ValueError(f"sharding={sharding!r} is not known; use one of {choices}") from error
-    return shard_graph(
-        graph, world_size=world_size, sharding=placement, unit_parameter_bytes=fsdp_unit_bytes(model)
-    )
 
 
 def fsdp_unit_bytes(model: torch.nn.Module) -> int:

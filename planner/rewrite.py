@@ -14,6 +14,15 @@ The result is an instance of a subclass of the model's own class that shares the
 submodules, parameters and buffers (so `state_dict` keys, `isinstance` and the optimizer's parameter
 list are unchanged). Only in training with grad enabled does it run the planned graph; in eval or
 under `no_grad` it runs the model's own forward, since nothing is saved for backward there.
+
+NOTE [FSDP2]: the planned graph inlines the operations of the model's blocks and calls their leaf
+modules directly, so FSDP2's `fully_shard` hooks on a block (all-gather before its forward, reshard and
+reduce-scatter after its backward) never run and the graph would compute with sharded DTensors it
+does not expect. A planned graph therefore refuses to train once `fully_shard` has been applied to any
+module it reaches (`_refuse_fully_sharded`). Plans for FSDP are made at the module level
+(`optimize(..., sharding="fsdp")`): each checkpointed unit is a `CheckpointedUnit`, whose `forward`
+runs under checkpoint *inside* the unit's FSDP hooks, so the pre-backward hook all-gathers the
+parameters before the replay needs them, as with `checkpoint_wrapper` under `fully_shard`.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -31,9 +41,16 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.capture import GraphCall
+from planner.errors import UnsupportedModel
 from planner.ir import ActivationGraph, Region, Schedule
 
-__all__ = ["CheckpointedRegion", "CheckpointedUnit", "rewrite", "planned_graph_of"]
+__all__ = [
+    "CheckpointedRegion",
+    "CheckpointedUnit",
+    "fully_sharded_modules",
+    "planned_graph_of",
+    "rewrite",
+]
 
 SPLIT_ATTRIBUTE = "_planner_split"
 REGION_PREFIX = "checkpointed_region_"
@@ -304,8 +321,35 @@ def _split(graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Sched
     return split
 
 
+FSDP_MODULE = "torch.distributed.fsdp"
+"""Where `FSDPModule` lives. `fully_shard` imports this package, so while it is not imported no module
+can be sharded, and the check costs nothing (importing it would take most of a second)."""
+
+
+def fully_sharded_modules(module: torch.nn.Module) -> list[str]:
+    """Qualified names of the modules under `module` (itself: "") that FSDP2's `fully_shard` wraps."""
+    fsdp = sys.modules.get(FSDP_MODULE)
+    if fsdp is None:
+        return []
+    return [name for name, child in module.named_modules() if isinstance(child, fsdp.FSDPModule)]
+
+
+def _refuse_fully_sharded(module: torch.nn.Module) -> None:
+    """Raise `UnsupportedModel` when `fully_shard` wraps a module that a planned graph runs (NOTE [FSDP2])."""
+    sharded = fully_sharded_modules(module)
+    if sharded:
+        names = ", ".join(repr(name or "<root>") for name in sharded[:4])
+        raise UnsupportedModel(
+            f"fully_shard (FSDP2) wraps {names}{', ...' if len(sharded) > 4 else ''} of a plan.module that "
+            "runs a captured graph: the graph inlines the blocks' operations, so their FSDP hooks would not "
+            "gather the parameters. Plan for FSDP with planner.optimize(model, ..., sharding='fsdp'), which "
+            "keeps every block a module call, then fully_shard each block of plan.module and plan.module."
+        )
+
+
 def _planned_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if self.training and torch.is_grad_enabled():
+        _refuse_fully_sharded(self)
         call: GraphCall | None = getattr(self, CALL_ATTRIBUTE)
         if call is not None:
             args, kwargs = call.graph_arguments(args, kwargs)

@@ -19,6 +19,7 @@ def plans() -> dict[str, planner.Plan]:
         "single": planner.optimize(model, inputs, budget_bytes=2**40),
         "ddp": planner.optimize(model, inputs, budget_bytes=2**40, world_size=WORLD_SIZE, sharding="ddp"),
         "fsdp": planner.optimize(model, inputs, budget_bytes=2**40, world_size=WORLD_SIZE, sharding="fsdp"),
+        "fsdp_one_rank": planner.optimize(model, inputs, budget_bytes=2**40, sharding="fsdp"),
     }
 
 
@@ -31,7 +32,8 @@ def test_ddp_replicates_state_and_adds_its_gradient_buckets(plans: dict[str, pla
 
 
 def test_fsdp_splits_state_across_ranks_and_gathers_one_unit(plans: dict[str, planner.Plan]) -> None:
-    single, fsdp = plans["single"].graph, plans["fsdp"].graph
+    single, fsdp = plans["fsdp_one_rank"].graph, plans["fsdp"].graph
+    assert plans["fsdp"].capture == "module (fsdp units)", "FSDP plans keep submodules as module calls"
     assert fsdp.static.parameter_bytes == -(-single.static.parameter_bytes // WORLD_SIZE)
     assert fsdp.static.gradient_bytes == -(-single.static.gradient_bytes // WORLD_SIZE)
     assert fsdp.static.optimizer_state_bytes == -(-single.static.optimizer_state_bytes // WORLD_SIZE)

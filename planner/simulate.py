@@ -278,40 +278,52 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
     timeline = _Timeline()
     trace: list[TraceStep] = []
 
-    keep_of = {index: region for region in schedule.regions for index in region.keep}
-    live: set[str] = set()
+    keep = {index for region in schedule.regions for index in region.keep}
+
+    def leaves_after(name: str) -> int | None:
+        return None if name in held or name in cached else last_read.get(name, -1)
+
+    live = LiveBytes(sizes)
     for index, node in enumerate(graph.nodes):
-        running = _bytes(sizes, live) + _bytes(sizes, node.creates)
+        running = live.total_bytes + _bytes(sizes, node.creates)
         components = {**static, "activations": running, "workspace": node.forward_workspace_bytes}
         timeline.observe(Phase.FORWARD, node.name, components, trace)
-        live.update(node.creates)
-        if index in keep_of:
-            live.add(cache_name(graph, index))
-        live = {name for name in live if name in held or name in cached or last_read.get(name, -1) > index}
+        for name in node.creates:
+            live.add(name, leaves_after(name), index)
+        if index in keep:
+            live.add(cache_name(graph, index), leaves_after(cache_name(graph, index)), index)
+        live.finish(index)
 
     triggers = {
         trigger: region
         for region in schedule.checkpointed
         if (trigger := recompute_trigger(graph, region)) is not None
     }
-    pending = {name: held.get(name, -1) for name in live}
+    taken_at: dict[int, list[str]] = {}
+    for name, trigger in cached.items():
+        taken_at.setdefault(trigger, []).append(name)
+    last = len(graph.nodes) - 1
+    pending = LiveBytes(sizes, descending=True)
+    for name in live.names:
+        pending.add(name, held.get(name, -1), last)
     gradient_bytes = 0
     recompute_ms = 0.0
-    for index in range(len(graph.nodes) - 1, -1, -1):
+    for index in range(last, -1, -1):
         node = graph.nodes[index]
         gradient_bytes += node.parameter_gradient_bytes
         base = {**static, "gradients": gradient_bytes, "workspace": node.backward_workspace_bytes}
         if index in triggers:
-            region = triggers[index]
-            pending = {name: at for name, at in pending.items() if cached.get(name) != index}
-            replay = replay_region(graph, region, index, last_read, sizes)
+            for name in taken_at.get(index, ()):
+                pending.remove(name)
+            replay = replay_region(graph, triggers[index], index, last_read, sizes)
             recompute_ms += replay.recompute_ms
-            components = {**base, "activations": _bytes(sizes, pending), "recompute": replay.peak_bytes}
+            components = {**base, "activations": pending.total_bytes, "recompute": replay.peak_bytes}
             timeline.observe(Phase.RECOMPUTE, node.name, components, trace)
-            pending.update({f"{name}@replay": at for name, at in replay.kept.items()})
-        components = {**base, "activations": _bytes(sizes, pending)}
+            for name, at in replay.kept.items():
+                pending.add(f"{name}@replay", at, index)
+        components = {**base, "activations": pending.total_bytes}
         timeline.observe(Phase.BACKWARD, node.name, components, trace)
-        pending = {name: at for name, at in pending.items() if at < index}
+        pending.finish(index)
 
     if graph.optimizer != "none":
         optimizer_components = {

@@ -59,6 +59,7 @@ def _block_nodes(
                 backward_ms=2 * forward_ms,
                 forward_workspace_bytes=0,
                 backward_workspace_bytes=storage_bytes[storage],
+                allocated_bytes=storage_bytes[storage],
                 parameter_gradient_bytes=PARAMETER_BYTES_PER_BLOCK // length if is_matmul else 0,
             )
         )
@@ -96,12 +97,17 @@ def _block_lengths(body_nodes: int, nodes_per_block: int) -> list[int]:
     return lengths
 
 
-def residual_graph(*, node_count: int, nodes_per_block: int = 10, seed: int = 0) -> ActivationGraph:
+def residual_graph(
+    *, node_count: int, nodes_per_block: int = 10, seed: int = 0, distinct_blocks: int | None = None
+) -> ActivationGraph:
     """A stack of residual blocks with `node_count` nodes in all (the last one is the loss).
 
     `nodes_per_block` (at least 2) sets how many nodes lie between two cuts; a final shorter block takes
-    what does not divide evenly.
+    what does not divide evenly. Every block draws its own sizes and times, unless `distinct_blocks` is
+    given: then block b repeats block b % distinct_blocks, as the layers of a transformer do.
     """
+    if distinct_blocks is not None and distinct_blocks < 1:
+        raise ValueError(f"distinct_blocks must be at least 1 (or None), got {distinct_blocks}")
     if nodes_per_block < 2:
         raise ValueError(
             f"nodes_per_block must be at least 2 (an operator and the add), got {nodes_per_block}"
@@ -116,6 +122,8 @@ def residual_graph(*, node_count: int, nodes_per_block: int = 10, seed: int = 0)
     nodes: list[Node] = []
     for block, length in enumerate(_block_lengths(node_count - 1, nodes_per_block)):
         entry = (nodes[-1].name, nodes[-1].creates[0]) if nodes else None
+        if distinct_blocks is not None:
+            rng = random.Random(f"{seed}/{block % distinct_blocks}")
         nodes.extend(_block_nodes(rng, block=block, length=length, entry=entry, storage_bytes=storage_bytes))
     output = nodes[-1].creates[0]
     nodes.append(

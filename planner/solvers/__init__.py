@@ -142,6 +142,7 @@ def solve_ilp(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
     started = time.perf_counter()
     result = ilp_schedule(
         _tables(graph).chain,
+        _tables(graph).table,
         activation_budget_bytes=budget_bytes - graph.static.resident_bytes,
         hint=dp_plan,
         time_limit_s=ILP_TIME_LIMIT_S,

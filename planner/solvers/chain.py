@@ -20,7 +20,7 @@ solvers check their result with it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -36,7 +36,7 @@ from planner.simulate import (
     storage_sizes,
 )
 
-__all__ = ["Chain", "RegionCost", "build_chain", "region_cost"]
+__all__ = ["Chain", "RegionCost", "RegionCosts", "RegionSummary", "build_chain", "region_cost"]
 
 NEGLIGIBLE_FRACTION = 1 / 64
 MAX_CUTS = 96
@@ -235,3 +235,130 @@ def keep_effect(chain: Chain, region: Region, index: int) -> tuple[tuple[int, ..
                     backward.append(0)
         backward.append(created_bytes + cache_bytes if step > trigger else 0)
     return tuple(forward + backward), created_bytes + cache_bytes
+
+
+@dataclass(frozen=True)
+class RegionSummary:
+    """What the region DP needs of a `RegionCost`: its peak, what it charges, its recompute, and the
+    nodes the region keeps (selective checkpointing) to get them."""
+
+    peak_bytes: int
+    charged_bytes: int
+    recompute_ms: float
+    keep: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A costed region structure: its peaks with the gradients of later nodes taken out."""
+
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    """Highest backward (or replay) point less the parameter gradients of nodes after the region."""
+    charged_bytes: int
+    trigger_offset: int | None
+    """Replay trigger minus region start; None when nothing is replayed."""
+
+
+class RegionCosts:
+    """Summaries of `region_cost` for keep-free regions, computed once per region structure.
+
+    Repeated blocks make regions that differ only in where they sit: each node reads and makes storages
+    of the same sizes, at the same distances, with the same workspaces. Such regions share one cost,
+    except for two terms that depend on position and are added per region: the parameter gradients of
+    every later node (on each backward point) and the forward times (recompute). So tabulating a
+    10,000-node stack of identical blocks costs about what its distinct region lengths do.
+
+    Each node gets a structure key: its workspaces and flags, the sizes of what it makes, and each storage
+    it reads or saves named by (distance back to its producer, position among the producer's outputs);
+    last reads are distances, clipped at the longest region, beyond which every distance means "after
+    the region". A storage made further back than the longest region is named literally (so a mask made
+    once and read by every block keeps its identity). A region's key is its nodes' keys, its policy and,
+    when the region before it stores, what that region's last node saves.
+    """
+
+    def __init__(self, chain: Chain, *, max_region_nodes: int) -> None:
+        self.chain = chain
+        self.horizon = max_region_nodes
+        nodes = chain.graph.nodes
+        interned: dict[Hashable, int] = {}
+        self.node_keys = [interned.setdefault(self._node_key(i), len(interned)) for i in range(len(nodes))]
+        self.save_keys = [
+            interned.setdefault(tuple(self._reference(name, i) for name in node.saves), len(interned))
+            for i, node in enumerate(nodes)
+        ]
+        self.forward_ms_before = [0.0]
+        for node in nodes:
+            self.forward_ms_before.append(self.forward_ms_before[-1] + node.forward_ms)
+        self._shapes: dict[Hashable, _Shape] = {}
+
+    def _reference(self, name: str, index: int) -> Hashable:
+        chain = self.chain
+        size = chain.sizes[name]
+        last_read = chain.last_read.get(name)
+        later = None if last_read is None else min(last_read - index, self.horizon)
+        made_at = chain.producer.get(name)
+        if made_at is None or index - made_at > self.horizon:
+            return ("named", name, size, later)
+        return (index - made_at, chain.graph.nodes[made_at].creates.index(name), size, later)
+
+    def _node_key(self, index: int) -> Hashable:
+        node = self.chain.graph.nodes[index]
+        return (
+            tuple(self._reference(name, index) for name in node.creates),
+            tuple(self._reference(name, index) for name in node.reads),
+            tuple(self._reference(name, index) for name in node.saves),
+            node.saves_anything,
+            node.checkpointable,
+            node.forward_workspace_bytes,
+            node.backward_workspace_bytes,
+            node.parameter_gradient_bytes,
+        )
+
+    def _later_gradient_bytes(self, stop: int) -> int:
+        gradients = self.chain.gradient_bytes_from
+        return gradients[stop] if stop < len(gradients) else 0
+
+    def _shape(self, region: Region, *, previous_stores: bool) -> _Shape:
+        cost = region_cost(self.chain, region, previous_stores=previous_stores)
+        forward_count = region.stop - region.start
+        trigger = (
+            recompute_trigger(self.chain.graph, region) if region.policy is RegionPolicy.CHECKPOINT else None
+        )
+        return _Shape(
+            forward_peak_bytes=max(cost.points_bytes[:forward_count]),
+            backward_peak_bytes=max(cost.points_bytes[forward_count:])
+            - self._later_gradient_bytes(region.stop),
+            charged_bytes=cost.charged_bytes,
+            trigger_offset=None if trigger is None else trigger - region.start,
+        )
+
+    def summary(self, region: Region, *, previous_stores: bool) -> RegionSummary:
+        """`region_cost(chain, region, previous_stores=...)` summarised, shared across one structure.
+
+        Recompute is a difference of running sums, so it may differ from `region_cost`'s in the last
+        bits of the float.
+        """
+        assert not region.keep, "structure keys describe keep-free regions"
+        before = self.save_keys[region.start - 1] if previous_stores and region.start > 0 else None
+        key = (region.policy, before, tuple(self.node_keys[region.start : region.stop]))
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = self._shape(region, previous_stores=previous_stores)
+        recompute_ms = 0.0
+        if shape.trigger_offset is not None:
+            replayed_to = region.start + shape.trigger_offset + 1
+            recompute_ms = self.forward_ms_before[replayed_to] - self.forward_ms_before[region.start]
+        return RegionSummary(
+            peak_bytes=max(
+                shape.forward_peak_bytes,
+                shape.backward_peak_bytes + self._later_gradient_bytes(region.stop),
+            ),
+            charged_bytes=shape.charged_bytes,
+            recompute_ms=recompute_ms,
+        )
+
+    @property
+    def distinct_regions(self) -> int:
+        """How many region structures were costed (the rest reused one of these)."""
+        return len(self._shapes)

@@ -30,10 +30,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from planner.ir import Region, RegionPolicy, Schedule
 from planner.simulate import recompute_trigger
-from planner.solvers.chain import Chain, RegionCost, keep_effect, region_cost
-from planner.solvers.dp import MAX_REGION_SEGMENTS
+from planner.solvers.chain import Chain, RegionCost, RegionSummary, keep_effect, region_cost
+from planner.solvers.dp import CostTable, least_recompute
 
 __all__ = ["IlpResult", "ilp_schedule", "keepable"]
 
@@ -50,7 +52,7 @@ class IlpResult:
     schedule: Schedule
     recompute_ms: float
     gap: float
-    """(objective - proven bound) / objective; 0 when proven optimal."""
+    """(objective - proven bound) / objective, in [0, 1]; 0 when proven optimal."""
     optimal: bool
 
 
@@ -104,38 +106,93 @@ def _units(size_bytes: float) -> int:
     return math.ceil(size_bytes / BYTES_UNIT)
 
 
-def _edges(chain: Chain, candidates: list[int]) -> list[_Edge]:
+def _edges(chain: Chain, candidates: list[int], table: CostTable) -> list[_Edge]:
+    """One edge per region of `dp`'s table (stored regions span one segment: a stored run costs what
+    its segments cost one by one, the storage crossing each cut deduplicated by `previous_stores`).
+
+    A region without allowed keeps needs only its peak, which the table has; one with keeps needs every
+    point of its timeline and each keep's effect on them.
+    """
     edges = []
-    nodes = chain.graph.nodes
-    for i, start in enumerate(chain.cuts[:-1]):
-        for stop in chain.cuts[i + 1 : i + 1 + MAX_REGION_SEGMENTS]:
-            checkpointable = all(node.checkpointable for node in nodes[start:stop])
-            for policy in (RegionPolicy.STORE, RegionPolicy.CHECKPOINT):
-                # A stored run of segments costs what its segments cost one by one (the boundary
-                # storage is deduplicated by `previous_stores`), so stored edges span one segment.
-                if policy is RegionPolicy.STORE and stop != chain.cuts[i + 1]:
-                    continue
-                if policy is RegionPolicy.CHECKPOINT and not checkpointable:
-                    continue
-                for previous_stores in (False, True):
-                    region = Region(start, stop, policy)
-                    cost = region_cost(chain, region, previous_stores=previous_stores)
-                    keep_points: dict[int, tuple[int, ...]] = {}
-                    keep_charged: dict[int, int] = {}
-                    if policy is RegionPolicy.CHECKPOINT:
-                        for index in _allowed_keeps(chain, region, candidates):
-                            keep_points[index], keep_charged[index] = keep_effect(chain, region, index)
-                    edges.append(
-                        _Edge(
-                            source=(start, previous_stores),
-                            target=(stop, policy is RegionPolicy.STORE),
-                            region=region,
-                            cost=cost,
-                            keep_points=keep_points,
-                            keep_charged=keep_charged,
-                        )
-                    )
+    effects: dict[tuple[int, int], tuple[dict[int, tuple[int, ...]], dict[int, int]]] = {}
+    for (start, stop, policy, previous_stores), (summary, *_) in table.items():
+        region = Region(start, stop, policy)
+        keeps = _allowed_keeps(chain, region, candidates) if policy is RegionPolicy.CHECKPOINT else []
+        if keeps:
+            cost = region_cost(chain, region, previous_stores=previous_stores)
+            if (start, stop) not in effects:
+                effect = {index: keep_effect(chain, region, index) for index in keeps}
+                effects[(start, stop)] = (
+                    {index: points for index, (points, _) in effect.items()},
+                    {index: charged for index, (_, charged) in effect.items()},
+                )
+            keep_points, keep_charged = effects[(start, stop)]
+        else:
+            cost = RegionCost(summary.charged_bytes, (summary.peak_bytes,), summary.recompute_ms)
+            keep_points, keep_charged = {}, {}
+        edges.append(
+            _Edge(
+                source=(start, previous_stores),
+                target=(stop, policy is RegionPolicy.STORE),
+                region=region,
+                cost=cost,
+                keep_points=keep_points,
+                keep_charged=keep_charged,
+            )
+        )
     return edges
+
+
+def _keep_order(chain: Chain, edge: _Edge) -> list[int]:
+    """The region's allowed keeps, the most forward time per charged byte first."""
+    nodes = chain.graph.nodes
+    return sorted(edge.keep_points, key=lambda k: (-nodes[k].forward_ms / max(1, edge.keep_charged[k]), k))
+
+
+def _variants(chain: Chain, edge: _Edge, *, relaxed: bool) -> tuple[RegionSummary, ...]:
+    """The region without keeps, then one variant per number m of keeps.
+
+    Exact (`relaxed=False`): the first m allowed keeps in `_keep_order`, costed exactly (each point is
+    affine in the keeps): plans built from these are feasible, a warm start for CP-SAT.
+    Relaxed: for any m keeps, each term at its most favourable over every m-subset (the m smallest
+    charged bytes, at each point the m smallest changes, the m longest forward times). No m-subset
+    does better in any term, so the least recompute over relaxed variants bounds the ilp's optimum.
+    """
+    base = np.array(edge.cost.points_bytes, dtype=np.int64)
+    variants = [RegionSummary(int(base.max()), edge.cost.charged_bytes, edge.cost.recompute_ms)]
+    if not edge.keep_points:
+        return tuple(variants)
+    nodes = chain.graph.nodes
+    order = _keep_order(chain, edge)
+    deltas = np.array([edge.keep_points[k] for k in order], dtype=np.int64)
+    charged = np.array([edge.keep_charged[k] for k in order], dtype=np.int64)
+    saved_ms = np.array([nodes[k].forward_ms for k in order])
+    if relaxed:
+        deltas, charged, saved_ms = np.sort(deltas, axis=0), np.sort(charged), -np.sort(-saved_ms)
+    points, charged_sums, saved_sums = (
+        np.cumsum(deltas, axis=0) + base,
+        np.cumsum(charged),
+        np.cumsum(saved_ms),
+    )
+    for m in range(len(order)):
+        variants.append(
+            RegionSummary(
+                peak_bytes=int(points[m].max()),
+                charged_bytes=edge.cost.charged_bytes + int(charged_sums[m]),
+                recompute_ms=max(0.0, edge.cost.recompute_ms - float(saved_sums[m])),
+                keep=() if relaxed else tuple(sorted(order[: m + 1])),
+            )
+        )
+    return tuple(variants)
+
+
+def _variant_table(chain: Chain, edges: list[_Edge], *, relaxed: bool) -> CostTable:
+    return {
+        (edge.region.start, edge.region.stop, edge.region.policy, edge.source[1]): _variants(
+            chain, edge, relaxed=relaxed
+        )
+        for edge in edges
+    }
 
 
 def _relevant_points(edge: _Edge) -> list[int]:
@@ -152,37 +209,88 @@ def _relevant_points(edge: _Edge) -> list[int]:
 
 def ilp_schedule(
     chain: Chain,
+    table: CostTable,
     *,
     activation_budget_bytes: float,
     hint: Schedule | None,
     time_limit_s: float,
     seed: int = 0,
 ) -> IlpResult | None:
-    """Least-recompute schedule with keeps; None when the model proves no plan fits."""
+    """Least-recompute schedule with keeps over `table`'s regions; None when no plan fits.
+
+    Before CP-SAT, `dp` runs twice over keep variants of each region (`_variants`): over exact ones
+    for a plan with keeps (the warm start, better than `hint` when keeps pay), and over relaxed ones
+    for a lower bound. When the plan meets the bound it is optimal and CP-SAT is not run (every graph
+    without keepable nodes, for one); otherwise the bound tightens CP-SAT's reported gap.
+    """
     cp_model = _load_cp_model()
-    candidates = keepable(chain)
-    edges = _edges(chain, candidates)
-    model = cp_model.CpModel()
-    use = [model.new_bool_var(f"use{e}") for e in range(len(edges))]
-    keep = {index: model.new_bool_var(f"keep{index}") for index in candidates}
     budget_units = math.floor(activation_budget_bytes / BYTES_UNIT)
     if budget_units < 0:
         return None
+    candidates = keepable(chain)
+    edges = _edges(chain, candidates, table)
+    relaxed = least_recompute(
+        chain, _variant_table(chain, edges, relaxed=True), activation_budget_bytes=activation_budget_bytes
+    )
+    if relaxed is None:
+        return None
+    bound_ms = relaxed.recompute_ms if relaxed.exact else 0.0
+    greedy = least_recompute(
+        chain, _variant_table(chain, edges, relaxed=False), activation_budget_bytes=activation_budget_bytes
+    )
+    if greedy is not None and greedy.recompute_ms <= bound_ms * (1 + 1e-9):
+        schedule = Schedule(regions=greedy.schedule.regions, solver="ilp")
+        return IlpResult(schedule=schedule, recompute_ms=greedy.recompute_ms, gap=0.0, optimal=True)
+    model, use, keep = _model(cp_model, chain, edges, candidates, budget_units)
+    start_from = greedy.schedule if greedy is not None else hint
+    if start_from is not None:
+        _add_hint(model, chain, edges, use, keep, start_from)
+    solver = cp_model.CpSolver()
+    solver.parameters.random_seed = seed
+    solver.parameters.num_workers = 1
+    solver.parameters.max_deterministic_time = DETERMINISTIC_SECONDS
+    solver.parameters.max_time_in_seconds = time_limit_s
+    status = solver.solve(model)
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    objective_ms = solver.objective_value / TIME_UNITS_PER_MS if found else math.inf
+    if greedy is not None and greedy.recompute_ms < objective_ms:
+        schedule, objective_ms, optimal = (
+            Schedule(regions=greedy.schedule.regions, solver="ilp"),
+            greedy.recompute_ms,
+            False,
+        )
+    elif found:
+        schedule, optimal = _decode(edges, use, keep, solver), status == cp_model.OPTIMAL
+    else:
+        return None
+    # Every kept node's time is part of its region's recompute, so no plan's objective is negative.
+    proven_ms = max(solver.best_objective_bound / TIME_UNITS_PER_MS if found else 0.0, bound_ms, 0.0)
+    gap = 0.0 if optimal or objective_ms <= 0 else max(0.0, objective_ms - proven_ms) / objective_ms
+    return IlpResult(schedule=schedule, recompute_ms=objective_ms, gap=gap, optimal=optimal)
+
+
+def _model(
+    cp_model: Any, chain: Chain, edges: list[_Edge], candidates: list[int], budget_units: int
+) -> tuple[Any, list[Any], dict[int, Any]]:
+    """The CP-SAT model: a path through (cut, stored) vertices with memory and keep side constraints."""
+    model = cp_model.CpModel()
+    use = [model.new_bool_var(f"use{e}") for e in range(len(edges))]
+    keep = {index: model.new_bool_var(f"keep{index}") for index in candidates}
     total_units = _units(sum(chain.sizes.values())) + 1
-    vertices = {edge.source for edge in edges} | {edge.target for edge in edges}
+    outgoing: dict[tuple[int, bool], list[Any]] = {}
+    incoming: dict[tuple[int, bool], list[Any]] = {}
+    for e, edge in enumerate(edges):
+        outgoing.setdefault(edge.source, []).append(use[e])
+        incoming.setdefault(edge.target, []).append(use[e])
+    vertices = set(outgoing) | set(incoming)
     retained = {vertex: model.new_int_var(0, total_units, f"retained{vertex}") for vertex in vertices}
     start, end = (0, False), chain.cuts[-1]
     model.add(retained[start] == 0)
+    model.add(sum(outgoing[start]) == 1)
     for vertex in vertices:
-        outgoing = [use[e] for e, edge in enumerate(edges) if edge.source == vertex]
-        incoming = [use[e] for e, edge in enumerate(edges) if edge.target == vertex]
-        if vertex == start:
-            model.add(sum(outgoing) == 1)
-        elif vertex[0] == end:
-            continue
-        else:
-            model.add(sum(outgoing) == sum(incoming))
-    model.add(sum(use[e] for e, edge in enumerate(edges) if edge.target[0] == end) == 1)
+        if vertex != start and vertex[0] != end:
+            model.add(sum(outgoing.get(vertex, [])) == sum(incoming.get(vertex, [])))
+    model.add(sum(incoming.get((end, False), []) + incoming.get((end, True), [])) == 1)
 
     allowed_in: dict[int, list[Any]] = {index: [] for index in candidates}
     for e, edge in enumerate(edges):
@@ -208,42 +316,35 @@ def ilp_schedule(
         sum(time_units(edge.cost.recompute_ms) * use[e] for e, edge in enumerate(edges))
         - sum(time_units(nodes[k].forward_ms) * keep[k] for k in candidates)
     )
-    if hint is not None:
-        _add_hint(model, edges, use, keep, hint)
-
-    solver = cp_model.CpSolver()
-    solver.parameters.random_seed = seed
-    solver.parameters.num_workers = 1
-    solver.parameters.max_deterministic_time = DETERMINISTIC_SECONDS
-    solver.parameters.max_time_in_seconds = time_limit_s
-    status = solver.solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    schedule = _decode(edges, use, keep, solver)
-    objective = solver.objective_value
-    bound = solver.best_objective_bound
-    gap = 0.0 if status == cp_model.OPTIMAL or objective <= 0 else max(0.0, (objective - bound) / objective)
-    return IlpResult(
-        schedule=schedule,
-        recompute_ms=objective / TIME_UNITS_PER_MS,
-        gap=gap,
-        optimal=status == cp_model.OPTIMAL,
-    )
+    return model, use, keep
 
 
-def _add_hint(model: Any, edges: list[_Edge], use: list[Any], keep: dict[int, Any], hint: Schedule) -> None:
-    """Warm start: the hinted schedule's regions, split at the cuts the edges use, no keeps."""
+def _hint_path(chain: Chain, hint: Schedule) -> set[tuple[int, int, RegionPolicy, bool]]:
+    """The hinted schedule as edge keys: stored regions split at every cut inside them (stored edges
+    span one segment), each region with the policy of the one before it."""
     previous_stores = False
-    path = []
+    path = set()
     for region in hint.regions:
-        path.append((region.start, region.stop, region.policy, previous_stores))
-        previous_stores = region.policy is RegionPolicy.STORE
-    wanted = set(path)
+        bounds = [region.start, region.stop]
+        if region.policy is RegionPolicy.STORE:
+            bounds = [region.start, *(c for c in chain.cuts if region.start < c < region.stop), region.stop]
+        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+            path.add((start, stop, region.policy, previous_stores))
+            previous_stores = region.policy is RegionPolicy.STORE
+    return path
+
+
+def _add_hint(
+    model: Any, chain: Chain, edges: list[_Edge], use: list[Any], keep: dict[int, Any], hint: Schedule
+) -> None:
+    """Warm start: the hinted schedule's regions as edges, and its keeps."""
+    wanted = _hint_path(chain, hint)
     for e, edge in enumerate(edges):
         key = (edge.region.start, edge.region.stop, edge.region.policy, edge.source[1])
         model.add_hint(use[e], key in wanted)
-    for variable in keep.values():
-        model.add_hint(variable, False)
+    kept = {index for region in hint.regions for index in region.keep}
+    for index, variable in keep.items():
+        model.add_hint(variable, index in kept)
 
 
 def _decode(edges: list[_Edge], use: list[Any], keep: dict[int, Any], solver: Any) -> Schedule:

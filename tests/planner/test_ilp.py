@@ -14,7 +14,8 @@ from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulate import recompute_trigger, simulate, store_everything
 from planner.solvers import _tables, lowest_peak, solve
 from planner.solvers.chain import keep_effect, region_cost
-from planner.solvers.ilp import _allowed_keeps, keepable
+from planner.solvers.ilp import _allowed_keeps, ilp_schedule, keepable
+from planner.synthetic import residual_graph
 
 
 def with_keeps(graph: ActivationGraph, schedule: Schedule) -> Iterator[Schedule]:
@@ -72,3 +73,45 @@ def test_keep_effect_equals_differencing_region_costs(seed: int) -> None:
             points, charged = keep_effect(chain, region, index)
             assert points == tuple(a - b for a, b in zip(kept.points_bytes, base.points_bytes, strict=True))
             assert charged == kept.charged_bytes - base.charged_bytes
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reported_gap_brackets_the_brute_force_optimum(seed: int) -> None:
+    """objective * (1 - gap) is a proven lower bound: never above the true optimum."""
+    rng = random.Random(200 + seed)
+    graph = keepable_chain(rng, rng.randint(4, 6))
+    simulated = [
+        simulate(graph, candidate)
+        for schedule in all_schedules(graph)
+        for candidate in with_keeps(graph, schedule)
+    ]
+    lowest = lowest_peak(graph)[1].peak_bytes
+    baseline = simulate(graph, store_everything(graph)).peak_bytes
+    tables = _tables(graph)
+    for fraction in (0.1, 0.5, 0.9):
+        budget = int(lowest + fraction * (baseline - lowest))
+        oracle_ms = min(result.recompute_ms for result in simulated if result.peak_bytes <= budget)
+        result = ilp_schedule(
+            tables.chain,
+            tables.table,
+            activation_budget_bytes=budget - graph.static.resident_bytes,
+            hint=None,
+            time_limit_s=10,
+        )
+        assert result is not None
+        assert 0.0 <= result.gap <= 1.0
+        assert result.recompute_ms * (1 - result.gap) <= oracle_ms + 1e-3 <= result.recompute_ms + 2e-3
+
+
+def test_keeps_on_a_long_stack_beat_dp_with_a_small_proven_gap() -> None:
+    graph = residual_graph(node_count=301, distinct_blocks=3)
+    lowest = lowest_peak(graph)[1].peak_bytes
+    baseline = simulate(graph, store_everything(graph)).peak_bytes
+    budget = (lowest + baseline) // 2
+    ilp = solve(graph, budget_bytes=budget, solver="ilp")
+    dp_ms = simulate(graph, solve(graph, budget_bytes=budget, solver="dp")).recompute_ms
+    result = simulate(graph, ilp)
+    assert result.peak_bytes <= budget
+    assert any(region.keep for region in ilp.regions)
+    assert result.recompute_ms < dp_ms
+    assert ilp.gap <= 0.01

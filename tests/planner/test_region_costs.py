@@ -1,0 +1,69 @@
+"""Region costs shared across repeated structure (`chain.RegionCosts`) equal `region_cost` itself."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from synthetic_graphs import random_chain
+
+from planner.ir import ActivationGraph, Region
+from planner.solvers.chain import Chain, RegionCosts, build_chain, region_cost
+from planner.solvers.dp import tabulate
+from planner.synthetic import residual_graph
+
+GRAPHS = {
+    "residual, every block drawn": lambda: residual_graph(node_count=301, nodes_per_block=6),
+    "residual, one block repeated": lambda: residual_graph(
+        node_count=301, nodes_per_block=6, distinct_blocks=1
+    ),
+    "residual, three blocks cycling": lambda: residual_graph(
+        node_count=301, nodes_per_block=6, distinct_blocks=3
+    ),
+    "random chain": lambda: random_chain(random.Random(4), 11),
+}
+
+
+@pytest.mark.parametrize("name", GRAPHS)
+def test_every_tabulated_summary_equals_region_cost(name: str) -> None:
+    graph: ActivationGraph = GRAPHS[name]()
+    chain = build_chain(graph)
+    table = tabulate(chain)
+    assert table
+    for (start, stop, policy, previous_stores), (summary,) in table.items():
+        cost = region_cost(chain, Region(start, stop, policy), previous_stores=previous_stores)
+        assert (summary.peak_bytes, summary.charged_bytes) == (cost.peak_bytes, cost.charged_bytes)
+        assert summary.recompute_ms == pytest.approx(cost.recompute_ms, rel=1e-12, abs=1e-12)
+
+
+def distinct_regions(chain: Chain) -> tuple[int, int]:
+    """(region structures costed, table entries that could differ) when tabulating `chain`.
+
+    At the first cut no region comes before, so `previous_stores` cannot matter there.
+    """
+    costs = RegionCosts(chain, max_region_nodes=len(chain.graph.nodes))
+    table = tabulate(chain)
+    for start, stop, policy, previous_stores in table:
+        costs.summary(Region(start, stop, policy), previous_stores=previous_stores)
+    return costs.distinct_regions, sum(
+        1 for start, *_, previous_stores in table if start or not previous_stores
+    )
+
+
+def test_repeated_blocks_are_costed_once_per_region_shape() -> None:
+    repeated = build_chain(residual_graph(node_count=2001, distinct_blocks=1))
+    drawn = build_chain(residual_graph(node_count=2001))
+    assert repeated.cuts == drawn.cuts
+    repeated_costed, entries = distinct_regions(repeated)
+    drawn_costed, drawn_entries = distinct_regions(drawn)
+    assert drawn_costed == drawn_entries == entries
+    assert repeated_costed < entries // 10
+
+
+def test_repeated_blocks_repeat_sizes_and_times() -> None:
+    graph = residual_graph(node_count=31, nodes_per_block=5, distinct_blocks=2)
+    shape = [
+        (node.op, node.forward_ms, [graph.storage_bytes[name] for name in node.creates])
+        for node in graph.nodes
+    ]
+    assert shape[0:5] == shape[10:15] != shape[5:10] == shape[15:20]

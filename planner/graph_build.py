@@ -267,7 +267,7 @@ class _ProfilingInterpreter(fx.Interpreter):
         self.forward_ms[n.name] = (time.perf_counter() - started) * 1e3
         if counter is not None:
             record.forward_flops = counter.get_total_flops()
-            record.moved_bytes = _tensor_bytes((args, kwargs)) + _tensor_bytes(output)
+            record.moved_bytes = _moved_bytes((args, kwargs), output)
         self.finish_node(record, (args, kwargs), output)
         if self.tracker is not None:
             written = [t for t in tensors_in((args, kwargs)) if t._version != versions[id(t)]]
@@ -279,6 +279,16 @@ class _ProfilingInterpreter(fx.Interpreter):
 def _tensor_bytes(value: Any) -> int:
     """Bytes a node reads or writes: each tensor's own elements, views included."""
     return sum(t.numel() * t.element_size() for t in tensors_in(value))
+
+
+def _moved_bytes(inputs: Any, output: Any) -> int:
+    """Bytes a node reads and writes; none when every output is a view of an input (a view moves
+    metadata only). Views are recognised by their base, which works on the meta device too."""
+    bases = {id(t._base if t._base is not None else t) for t in tensors_in(inputs)}
+    outputs = tensors_in(output)
+    if outputs and all(t._base is not None and id(t._base) in bases for t in outputs):
+        return 0
+    return _tensor_bytes(inputs) + _tensor_bytes(output)
 
 
 @contextmanager
@@ -591,7 +601,7 @@ def build_activation_graph(
             )
     if spec is not None:
         forward_ms = {
-            name: analytic_forward_ms(record.forward_flops, record.moved_bytes, spec)
+            name: analytic_forward_ms(record.forward_flops, record.moved_bytes, spec, random=record.random)
             for name, record in interpreter.records.items()
         }
         backward_ms = {name: BACKWARD_FACTOR * time_ms for name, time_ms in forward_ms.items()}

@@ -8,7 +8,8 @@ plan for an H100, and a model built on the meta device can be planned at all:
     backward_ms = BACKWARD_FACTOR * forward_ms
 
 FLOPs come from `torch.utils.flop_counter` (matmuls, convolutions, attention); operators it does not
-count are memory-bound and priced by the bytes they read and write. The peak rates are datasheet
+count are memory-bound and priced by the bytes they read and write (none for a view); random
+operators (dropout) write at the device's random-number rate. The peak rates are datasheet
 figures (dense, no sparsity), so absolute times are optimistic; the planner only needs their ratios.
 """
 
@@ -32,12 +33,17 @@ class DeviceSpec:
     memory_bytes_per_s: float
     overhead_ms: float
     """Fixed cost per operator: kernel launch on a GPU, dispatch on a CPU."""
+    random_bytes_per_s: float | None = None
+    """Rate at which a random operator (dropout) writes its output; None: as fast as memory. A CPU
+    draws each random number in software, about ten times slower than it streams memory."""
 
 
 DEVICES: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("h100", flops_per_s=989e12, memory_bytes_per_s=3.35e12, overhead_ms=0.005),
     "a100": DeviceSpec("a100", flops_per_s=312e12, memory_bytes_per_s=2.0e12, overhead_ms=0.005),
-    "cpu": DeviceSpec("cpu", flops_per_s=100e9, memory_bytes_per_s=20e9, overhead_ms=0.01),
+    "cpu": DeviceSpec(
+        "cpu", flops_per_s=100e9, memory_bytes_per_s=20e9, overhead_ms=0.01, random_bytes_per_s=2e9
+    ),
 }
 
 
@@ -55,8 +61,9 @@ def device_spec(device: str | DeviceSpec) -> DeviceSpec:
     return DEVICES[device]
 
 
-def analytic_forward_ms(flops: int, moved_bytes: int, spec: DeviceSpec) -> float:
-    """Roofline time of one node's forward."""
+def analytic_forward_ms(flops: int, moved_bytes: int, spec: DeviceSpec, *, random: bool = False) -> float:
+    """Roofline time of one node's forward; a `random` node's bytes go at `random_bytes_per_s`."""
     compute_s = flops / spec.flops_per_s
-    memory_s = moved_bytes / spec.memory_bytes_per_s
+    memory_rate = spec.random_bytes_per_s if random and spec.random_bytes_per_s else spec.memory_bytes_per_s
+    memory_s = moved_bytes / memory_rate
     return max(compute_s, memory_s) * 1e3 + spec.overhead_ms

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import planner
+from planner.graph_build import _moved_bytes
 from planner.profile import DEVICES, DeviceSpec, analytic_forward_ms, device_spec
 from planner.zoo import build_model
 
@@ -80,3 +81,21 @@ def test_pareto_frontier_from_one_profile_falls_and_plots(tmp_path) -> None:  # 
     assert overheads == sorted(overheads, reverse=True)
     picture = frontier.plot(tmp_path / "pareto.png")
     assert picture.stat().st_size > 1000
+
+
+def test_a_view_moves_no_bytes_and_a_copy_moves_what_it_reads_and_writes() -> None:
+    x = torch.zeros(4, 8, device="meta")
+    assert _moved_bytes((x,), x.transpose(0, 1)) == 0
+    assert _moved_bytes((x,), (x.unflatten(1, (2, 4)), x[0])) == 0
+    assert _moved_bytes((x,), x.transpose(0, 1).contiguous()) == 2 * x.numel() * x.element_size()
+    assert _moved_bytes((x,), (x.view(32), x + 1)) == x.numel() * x.element_size() * 3
+
+
+def test_random_operators_write_at_the_random_number_rate() -> None:
+    cpu = DEVICES["cpu"]
+    assert cpu.random_bytes_per_s is not None
+    drawn_ms = analytic_forward_ms(0, 10**9, cpu, random=True) - cpu.overhead_ms
+    streamed_ms = analytic_forward_ms(0, 10**9, cpu) - cpu.overhead_ms
+    assert drawn_ms == pytest.approx(streamed_ms * cpu.memory_bytes_per_s / cpu.random_bytes_per_s)
+    h100 = DEVICES["h100"]
+    assert analytic_forward_ms(0, 10**9, h100, random=True) == analytic_forward_ms(0, 10**9, h100)

@@ -73,6 +73,8 @@ class GraphDocument(BaseModel):
     capture: str
     """How the model was captured, e.g. "fx"."""
     optimizer: str
+    timing: str = "measured"
+    """Where per-node times come from: "measured" or "analytic (<device>)"."""
     static: StaticBytes
     storage_bytes: dict[str, int]
     """Bytes of each activation storage, by name."""
@@ -86,6 +88,7 @@ class GraphDocument(BaseModel):
             static=self.static,
             capture=self.capture,
             optimizer=self.optimizer,
+            timing=self.timing,
         )
 
 

@@ -617,6 +617,7 @@ def build_activation_graph(
         static=dataclasses.replace(static, optimizer_state_bytes=0),
         capture=captured.path,
         optimizer=optimizer_name,
+        timing="measured" if spec is None else f"analytic ({spec.name})",
     )
     calibrated = _calibrate(profiled, interpreter.records)
     return dataclasses.replace(calibrated, static=static)

@@ -102,6 +102,9 @@ class ActivationGraph:
     capture: str
     """How the model was captured, e.g. "fx" or "fx (opaque: block.3)"."""
     optimizer: str
+    timing: str = "measured"
+    """Where per-node times come from: "measured" (profiling steps on the model's device) or
+    "analytic (<device>)" (FLOPs and bytes on a roofline, see profile.py)."""
 
     def index_of(self, name: str) -> int:
         """Position of the node called `name` in execution order."""

@@ -151,6 +151,12 @@ class Lever:
     assumption: str
 
 
+def _timing_note(timing: str) -> str:
+    if timing == "measured":
+        return "per-node times measured on the profiling machine"
+    return f"per-node times {timing}: FLOPs and bytes on a roofline, not measured"
+
+
 def peak_components(graph: ActivationGraph, schedule: Schedule) -> dict[str, dict[str, int]]:
     """Bytes by component at the forward/backward peak and at the optimizer step, under `schedule`."""
     without_step = simulate(dataclasses.replace(graph, optimizer="none"), schedule)
@@ -322,8 +328,9 @@ def render_summary(plan: Plan) -> str:
     lines = [
         f"checkpoint plan: {plan.solver} solver, {len(plan.graph.nodes)} nodes captured by {plan.capture}, "
         f"optimizer {plan.graph.optimizer}",
-        "  every figure is predicted by the simulator from one profiled step (per-node times measured",
-        "  on the profiling machine); measure plan.module with planner.measure for measured figures",
+        "  every figure is predicted by the simulator from one profiled step "
+        f"({_timing_note(plan.graph.timing)});",
+        "  measure plan.module with planner.measure for measured figures",
         f"  {'budget':<32}{format_bytes(plan.budget_bytes):>12}",
         f"  {'predicted peak':<32}{format_bytes(plan.predicted_peak_bytes):>12}  "
         + (f"fits, {format_bytes(spare_bytes)} to spare" if spare_bytes >= 0 else "OVER the budget"),

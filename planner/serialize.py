@@ -25,6 +25,7 @@ def graph_to_dict(graph: ActivationGraph) -> dict[str, Any]:
         "schema": GRAPH_SCHEMA,
         "capture": graph.capture,
         "optimizer": graph.optimizer,
+        "timing": graph.timing,
         "static": dataclasses.asdict(graph.static),
         "storage_bytes": dict(graph.storage_bytes),
         "nodes": [
@@ -52,6 +53,7 @@ def graph_from_dict(data: dict[str, Any]) -> ActivationGraph:
         static=StaticBytes(**data["static"]),
         capture=str(data["capture"]),
         optimizer=str(data["optimizer"]),
+        timing=str(data.get("timing", "measured")),
     )
 
 

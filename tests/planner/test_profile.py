@@ -38,6 +38,9 @@ def test_analytic_times_follow_flops_and_a_faster_device_is_faster() -> None:
     )
     assert heaviest.forward_flops > 0 and heaviest.forward_ms > lightest.forward_ms
     assert all(node.backward_ms == pytest.approx(2 * node.forward_ms) for node in on_cpu.graph.nodes)
+    assert on_h100.graph.timing == "analytic (h100)"
+    assert "per-node times analytic (h100)" in on_h100.summary()
+    assert planner.Plan.from_json(on_h100.to_json()).graph.timing == "analytic (h100)"
 
 
 @pytest.mark.parametrize("name", ["gpt_tiny", "seed000_mlp"])

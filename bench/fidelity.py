@@ -43,7 +43,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +141,30 @@ class PeerComparison:
 
 
 @dataclass
+class SolverLadder:
+    """`dp` and `ilp` planned at the every-block peer's measured peak, timed with it in the same rounds.
+
+    The solver issue's claim: at one budget, measured step-time overhead ilp <= dp <= every block.
+    """
+
+    budget_bytes: int | None = None
+    not_applicable: str | None = None
+    measured_peak_bytes: dict[str, int] = field(default_factory=dict)
+    predicted_recompute_ms: dict[str, float] = field(default_factory=dict)
+    keeps: dict[str, int] = field(default_factory=dict)
+    gradients_equal: dict[str, bool] = field(default_factory=dict)
+    overhead_vs_none: dict[str, float] = field(default_factory=dict)
+    """Median per-round (step / unmodified step) - 1, for "dp", "ilp" and the peer ("every block")."""
+
+    @property
+    def ordered(self) -> bool | None:
+        overhead = self.overhead_vs_none
+        if not {"dp", "ilp", EVERY_BLOCK} <= set(overhead):
+            return None
+        return overhead["ilp"] <= overhead["dp"] <= overhead[EVERY_BLOCK]
+
+
+@dataclass
 class ModelReport:
     name: str
     capture: str | None = None
@@ -155,6 +179,7 @@ class ModelReport:
     baseline_measured_peak_bytes: int | None = None
     sweep: list[SweepPoint] = field(default_factory=list)
     peers: list[PeerComparison] = field(default_factory=list)
+    ladder: SolverLadder | None = None
     error: str | None = None
 
 
@@ -251,6 +276,44 @@ def compare_with_peer(
     return result
 
 
+def solver_ladder(
+    built: tuple[Variant | None, str],
+    model: nn.Module,
+    inputs: Sequence[Any],
+    reference: StepRecord,
+    *,
+    rounds: int,
+) -> SolverLadder:
+    peer, description = built
+    if peer is None:
+        return SolverLadder(not_applicable=description)
+    ladder = SolverLadder(budget_bytes=measured_peak_bytes(peer.module, inputs))
+    modules: dict[str, nn.Module] = {}
+    for solver in ("dp", "ilp"):
+        source = variant_of(copy.deepcopy(model))
+        try:
+            plan = planner.optimize(source.module, inputs, budget_bytes=ladder.budget_bytes, solver=solver)
+        except planner.InfeasibleBudget as error:
+            ladder.not_applicable = (
+                f"no plan at the peer's peak (predicted min {mib(error.min_peak_bytes)} MiB)"
+            )
+            return ladder
+        assert plan.module is not None
+        modules[solver] = plan.module
+        ladder.measured_peak_bytes[solver] = measured_peak_bytes(plan.module, inputs)
+        ladder.predicted_recompute_ms[solver] = plan.simulation.recompute_ms
+        ladder.keeps[solver] = sum(len(region.keep) for region in plan.schedule.regions)
+        step = one_step(Variant(plan.module, source.parameters, source.buffers), inputs)
+        ladder.gradients_equal[solver] = gradient_mismatch(reference, step) is None
+    runners = [contender(solver, module, inputs) for solver, module in modules.items()]
+    runners.append(contender(EVERY_BLOCK, peer.module, inputs))
+    unmodified = contender("none", model, inputs)
+    interleaved_step_ms([*runners, unmodified], rounds=rounds)
+    ladder.overhead_vs_none = {runner.name: paired_ratio(runner, unmodified) - 1.0 for runner in runners}
+    log.info("  solver ladder at %s MiB: %s", mib(ladder.budget_bytes), ladder.overhead_vs_none)
+    return ladder
+
+
 def sweep_point(model: nn.Module, inputs: Sequence[Any], *, fraction: float, budget_bytes: int) -> SweepPoint:
     before = state_of(model)
     started_s = time.perf_counter()
@@ -319,6 +382,7 @@ def benchmark_model(name: str, *, fractions: Sequence[float], rounds: int) -> Mo
     )
     for peer_name, built in peers:
         report.peers.append(compare_with_peer(peer_name, built, model, inputs, reference_step, rounds=rounds))
+    report.ladder = solver_ladder(every_block_peer(model), model, inputs, reference_step, rounds=rounds)
     return report
 
 
@@ -391,6 +455,39 @@ def peers_table(reports: Sequence[ModelReport]) -> list[str]:
     return lines
 
 
+def _pair(
+    values: dict[str, Any], render: Callable[[Any], str], first: str = "dp", second: str = "ilp"
+) -> str:
+    return f"{render(values.get(first))} / {render(values.get(second))}"
+
+
+def ladder_table(reports: Sequence[ModelReport]) -> list[str]:
+    lines = [
+        "| model | budget MiB (every block's peak) | dp / ilp measured MiB | "
+        "dp / ilp predicted recompute ms | ilp keeps | grads equal dp / ilp | "
+        "overhead vs none: ilp / dp / every block | ilp <= dp <= every block |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for report in reports:
+        ladder = report.ladder
+        if ladder is None:
+            continue
+        if ladder.not_applicable:
+            lines.append(
+                f"| {report.name} | {mib(ladder.budget_bytes)} | {ladder.not_applicable} | | | | | |"
+            )
+            continue
+        overhead = ladder.overhead_vs_none
+        overheads = " / ".join(percent(overhead.get(name)) for name in ("ilp", "dp", EVERY_BLOCK))
+        lines.append(
+            f"| {report.name} | {mib(ladder.budget_bytes)} | {_pair(ladder.measured_peak_bytes, mib)} | "
+            f"{_pair(ladder.predicted_recompute_ms, lambda ms: fmt(ms, '.2f'))} | "
+            f"{ladder.keeps.get('ilp', 0)} | {_pair(ladder.gradients_equal, yes_no)} | {overheads} | "
+            f"{yes_no(ladder.ordered)} |"
+        )
+    return lines
+
+
 def optimize_table(reports: Sequence[ModelReport]) -> list[str]:
     lines = [
         "| model | capture | solver | regions at mid budget | optimize() s at mid budget | first call s |",
@@ -456,7 +553,32 @@ def target_misses(reports: Sequence[ModelReport]) -> list[str]:
                 misses.append(
                     f"- {report.name} vs {peer.peer}: OUR buffers differ from the unmodified model's"
                 )
+        misses.extend(_ladder_misses(report))
     return misses or ["- none"]
+
+
+def _ladder_misses(report: ModelReport) -> list[str]:
+    ladder = report.ladder
+    if ladder is None or ladder.not_applicable:
+        return []
+    misses = []
+    if ladder.ordered is False:
+        overheads = ", ".join(f"{name} {percent(value)}" for name, value in ladder.overhead_vs_none.items())
+        misses.append(
+            f"- {report.name} at {mib(ladder.budget_bytes)} MiB: measured overhead {overheads} "
+            "(target ilp <= dp <= every block)"
+        )
+    for solver, peak in ladder.measured_peak_bytes.items():
+        if ladder.budget_bytes is not None and peak > ladder.budget_bytes:
+            misses.append(
+                f"- {report.name} {solver}: measured {mib(peak)} MiB > {mib(ladder.budget_bytes)} MiB"
+            )
+    misses.extend(
+        f"- {report.name} {solver}: OUR gradients differ from the unmodified model's"
+        for solver, equal in ladder.gradients_equal.items()
+        if not equal
+    )
+    return misses
 
 
 def markdown(reports: Sequence[ModelReport], *, quick: bool, context: dict[str, Any]) -> str:
@@ -481,6 +603,14 @@ def markdown(reports: Sequence[ModelReport], *, quick: bool, context: dict[str, 
         "ratios over interleaved training steps (Adam, default loss).",
         "",
         *peers_table(reports),
+        "",
+        "## ilp, dp and every-block checkpointing at one budget",
+        "",
+        "Both solvers plan at the every-block peer's measured peak; all three and the unmodified model are "
+        "timed in the same interleaved rounds. Overheads within a few percent of each other are noise on a "
+        "loaded machine.",
+        "",
+        *ladder_table(reports),
         "",
         "## optimize() wall time",
         "",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -51,7 +50,9 @@ META_PROBE_ELEMENTS = 2**16
 OPTIMIZER_PROBES = 3
 """Largest parameters whose optimizer step is probed for temporaries."""
 TIMING_REPEATS = 3
-"""Timed profiling steps after the measuring one; per-node times are their medians."""
+"""Timed profiling steps after the measuring one; per-node times are their minimums. Timing noise on a
+shared machine only ever adds time (preemption, cache misses from other jobs), so the fastest run is the
+best estimate of a node's own cost; a median of three still carries any noise two runs share."""
 
 RANDOM_MODULES = (torch.nn.modules.dropout._DropoutNd,)
 RANDOM_FUNCTIONS = {
@@ -669,14 +670,14 @@ def _measured_times(
     targets: list[torch.Tensor],
     order: list[str],
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Median per-node forward and backward times of `TIMING_REPEATS` untracked profiling steps."""
+    """Fastest per-node forward and backward times of `TIMING_REPEATS` untracked profiling steps."""
     forward_runs, backward_runs = [], []
     for _ in range(TIMING_REPEATS):
         timed, clock = _profile_step(graph_module, inputs, loss_fn, targets, None)
         forward_runs.append(timed.forward_ms)
         backward_runs.append(clock.backward_ms)
-    forward_ms = {name: statistics.median(run.get(name, 0.0) for run in forward_runs) for name in order}
-    backward_ms = {name: statistics.median(run.get(name, 0.0) for run in backward_runs) for name in order}
+    forward_ms = {name: min(run.get(name, 0.0) for run in forward_runs) for name in order}
+    backward_ms = {name: min(run.get(name, 0.0) for run in backward_runs) for name in order}
     return forward_ms, backward_ms
 
 

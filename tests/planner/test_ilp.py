@@ -34,10 +34,8 @@ def with_keeps(graph: ActivationGraph, schedule: Schedule) -> Iterator[Schedule]
         yield Schedule(regions=tuple(regions), solver="brute-force")
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_ilp_matches_brute_force_with_keeps(seed: int) -> None:
-    rng = random.Random(100 + seed)
-    graph = keepable_chain(rng, rng.randint(4, 6))
+def brute_force_optima(graph: ActivationGraph) -> Iterator[tuple[int, float]]:
+    """(budget, least recompute of any plan with keeps that fits it) at three budgets."""
     simulated = [
         simulate(graph, candidate)
         for schedule in all_schedules(graph)
@@ -47,7 +45,14 @@ def test_ilp_matches_brute_force_with_keeps(seed: int) -> None:
     baseline = simulate(graph, store_everything(graph)).peak_bytes
     for fraction in (0.1, 0.5, 0.9):
         budget = int(lowest + fraction * (baseline - lowest))
-        oracle_ms = min(result.recompute_ms for result in simulated if result.peak_bytes <= budget)
+        yield budget, min(result.recompute_ms for result in simulated if result.peak_bytes <= budget)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ilp_matches_brute_force_with_keeps(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    graph = keepable_chain(rng, rng.randint(4, 6))
+    for budget, oracle_ms in brute_force_optima(graph):
         schedule = solve(graph, budget_bytes=budget, solver="ilp")
         result = simulate(graph, schedule)
         assert result.peak_bytes <= budget
@@ -80,17 +85,8 @@ def test_reported_gap_brackets_the_brute_force_optimum(seed: int) -> None:
     """objective * (1 - gap) is a proven lower bound: never above the true optimum."""
     rng = random.Random(200 + seed)
     graph = keepable_chain(rng, rng.randint(4, 6))
-    simulated = [
-        simulate(graph, candidate)
-        for schedule in all_schedules(graph)
-        for candidate in with_keeps(graph, schedule)
-    ]
-    lowest = lowest_peak(graph)[1].peak_bytes
-    baseline = simulate(graph, store_everything(graph)).peak_bytes
     tables = _tables(graph)
-    for fraction in (0.1, 0.5, 0.9):
-        budget = int(lowest + fraction * (baseline - lowest))
-        oracle_ms = min(result.recompute_ms for result in simulated if result.peak_bytes <= budget)
+    for budget, oracle_ms in brute_force_optima(graph):
         result = ilp_schedule(
             tables.chain,
             tables.table,

@@ -53,6 +53,7 @@ __all__ = [
     "fmt",
     "fresh_inputs",
     "fresh_kwargs",
+    "gradient_error",
     "gradient_mismatch",
     "interleaved_step_ms",
     "machine",
@@ -177,16 +178,47 @@ def gradient_mismatch(expected: StepRecord, actual: StepRecord, *, rtol: float =
     return None
 
 
-def buffer_mismatch(expected: StepRecord, actual: StepRecord, names: Sequence[str]) -> str | None:
-    """Which buffers (BatchNorm statistics) differ after one step, or None when all are equal."""
+def gradient_error(expected: StepRecord, actual: StepRecord) -> float:
+    """||actual - expected|| / ||expected|| over all gradients at once (inf when only one has a gradient).
+
+    One norm over the whole model, unlike `gradient_mismatch`'s per-tensor scale: a parameter whose true
+    gradient is ~0 (a bias before a BatchNorm) has a per-tensor scale made of rounding noise.
+    """
+    difference_squared = reference_squared = 0.0
+    for want, got in zip(expected.gradients, actual.gradients, strict=True):
+        if want is None or got is None:
+            if want is not got:
+                return math.inf
+            continue
+        difference_squared += (got.double() - want.double()).square().sum().item()
+        reference_squared += want.double().square().sum().item()
+    return (
+        math.sqrt(difference_squared / reference_squared)
+        if reference_squared
+        else math.sqrt(difference_squared)
+    )
+
+
+def buffer_mismatch(
+    expected: StepRecord, actual: StepRecord, names: Sequence[str], *, rtol: float = 0.0
+) -> str | None:
+    """Which buffers (BatchNorm statistics) differ after one step, bitwise or (with `rtol`) by more than
+    `rtol` of the buffer's largest value; None when all agree."""
     differing = [
         name
         for name, want, got in zip(names, expected.buffers, actual.buffers, strict=True)
-        if not torch.equal(want, got)
+        if not (torch.equal(want, got) or (rtol > 0 and close_to_scale(got, want, rtol=rtol)))
     ]
     if not differing:
         return None
     return f"{len(differing)} of {len(names)} buffers differ after one step, first {differing[0]!r}"
+
+
+def close_to_scale(got: torch.Tensor, want: torch.Tensor, *, rtol: float) -> bool:
+    if not want.is_floating_point():
+        return torch.equal(got, want)
+    scale = want.abs().max().item() or 1.0
+    return torch.allclose(got, want, rtol=rtol, atol=rtol * scale)
 
 
 def find_block_container(model: nn.Module) -> BlockContainer:
@@ -399,10 +431,12 @@ def round_order(runners: Sequence[Contender], round_index: int) -> list[Contende
     return rotated[::-1] if (round_index // len(runners)) % 2 else rotated
 
 
-def interleaved_step_ms(runners: Sequence[Contender], *, rounds: int) -> None:
+def interleaved_step_ms(
+    runners: Sequence[Contender], *, rounds: int, warmup_steps: int = WARMUP_STEPS
+) -> None:
     """Warm up each runner, then time `rounds` rounds of one step each, in a different order each round."""
     for runner in runners:
-        for _ in range(WARMUP_STEPS):
+        for _ in range(warmup_steps):
             training_step_ms(runner)
     for round_index in range(rounds):
         for runner in round_order(runners, round_index):

@@ -1,0 +1,406 @@
+"""What bench/compare.py measured, as tables, verdicts and a plot: pure functions of its result records.
+
+Why it exists: the benchmark runs for many minutes and asserts nothing, so what it claims lives in how
+its records are judged and shown. Keeping the records (`Row`, `ModelResult`) and their rendering apart
+from the measuring lets tests check every verdict on hand-made records in milliseconds, and keeps the
+worker-to-parent JSON (`result_from_dict`) next to the records it rebuilds.
+
+A row of ours is judged against the peer whose measured peak was its budget (`matches_peer`): within
+that budget, and a step-time ratio no higher than the peer's, both against no checkpointing in the
+same mode. Eager and compiled rows go into separate tables, since their peaks are counted differently
+(`peak_source`), and a run on another device writes files of its own.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from peers import EVERY_BLOCK, MIB, SQRT_SEGMENTS, fmt, mib, yes_no
+
+__all__ = [
+    "NO_CHECKPOINTING",
+    "Family",
+    "ModelResult",
+    "Mode",
+    "Row",
+    "TrackerCheck",
+    "label",
+    "markdown",
+    "matches_peer",
+    "misses",
+    "plot",
+    "result_from_dict",
+    "time_vs_peer",
+]
+
+NO_CHECKPOINTING = "no checkpointing"
+REASON_CHARACTERS = 160
+"""Characters of a "not applicable" or error reason shown in a table (the JSON has all of it)."""
+
+
+class Mode(StrEnum):
+    """How a row's training step runs."""
+
+    EAGER = "eager"
+    """The module as written, run op by op."""
+    COMPILED = "compiled"
+    """torch.compile with inductor (see NOTE [measuring compiled steps])."""
+
+
+REFERENCES = {
+    Mode.EAGER: "the unmodified eager model's",
+    Mode.COMPILED: "compiled no checkpointing's (same dropout masks)",
+}
+"""What a row's gradients are compared with (bench/compare.py, NOTE [compiled gradients])."""
+
+
+class Family(StrEnum):
+    """Whose row it is."""
+
+    BASELINE = "baseline"
+    """No checkpointing: the denominator of every step-time ratio in its mode."""
+    PEER = "peer"
+    """What users pick today."""
+    OURS = "ours"
+    """planner.optimize at a peer's measured peak."""
+
+
+@dataclass
+class Row:
+    """One variant of one model: what it is, what it was asked for, and what it measured."""
+
+    method: str
+    mode: Mode
+    family: Family
+    description: str = ""
+    peer: str | None = None
+    """For ours: the peer whose measured peak is this row's budget."""
+    solver: str | None = None
+    budget_bytes: int | None = None
+    planned_budget_bytes: int | None = None
+    """For ours: the budget `optimize` got (NOTE [compiled budgets]); the row is judged by `budget_bytes`."""
+    budget_fraction: float | None = None
+    peak_bytes: int | None = None
+    kept_after_forward_bytes: int | None = None
+    within_budget: bool | None = None
+    step_ms: float | None = None
+    time_ratio_vs_none: float | None = None
+    """Median over the interleaved rounds of `round_ratios_vs_none`."""
+    round_ratios_vs_none: list[float] = field(default_factory=list)
+    """Per round: this row's step time over no checkpointing's in the same round."""
+    gradients_equal: bool | None = None
+    gradient_error: float | None = None
+    """||gradients - reference|| / ||reference|| over the whole model (bench/peers.py `gradient_error`)."""
+    gradient_mismatch: str | None = None
+    buffers_equal: bool | None = None
+    predicted_peak_bytes: int | None = None
+    checkpointed_regions: int | None = None
+    infeasible_min_peak_bytes: int | None = None
+    same_plan_as: str | None = None
+    ran_compiled: bool | None = None
+    not_applicable: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class TrackerCheck:
+    """What the live-storage tracker and the CPU allocator's events count for one model's steps."""
+
+    eager_tracker_peak_bytes: int
+    eager_allocator_peak_bytes: int
+    compiled_allocator_peak_bytes: int | None
+    compiled_tracker_peak_bytes: int
+    ran_compiled_after_tracker: bool
+
+
+@dataclass
+class ModelResult:
+    name: str
+    device: str
+    capture: str | None = None
+    predicted_min_peak_bytes: int | None = None
+    predicted_baseline_peak_bytes: int | None = None
+    rows: list[Row] = field(default_factory=list)
+    tracker_check: TrackerCheck | None = None
+    seconds: float | None = None
+    error: str | None = None
+
+
+def peak_source(device: str, mode: Mode) -> str:
+    if device.startswith("cuda"):
+        return "CUDA caching allocator (max_memory_allocated)"
+    if mode is Mode.COMPILED:
+        return "CPU allocator events (torch.profiler, profile_memory=True) + parameters, buffers, inputs"
+    return "live tensor storages (planner.measure)"
+
+
+def label(row: Row) -> str:
+    """A row's name in tables: "sqrt(n) segments", "compile budget 0.5", "ours dp @ every block"."""
+    if row.family is Family.OURS:
+        return f"ours {row.solver} @ {row.peer}"
+    return row.method
+
+
+def row_from_dict(data: dict[str, Any]) -> Row:
+    return Row(**{**data, "mode": Mode(data["mode"]), "family": Family(data["family"])})
+
+
+def result_from_dict(data: dict[str, Any]) -> ModelResult:
+    check = data.get("tracker_check")
+    return replace(
+        ModelResult(**{key: value for key, value in data.items() if key not in ("rows", "tracker_check")}),
+        rows=[row_from_dict(row) for row in data.get("rows", [])],
+        tracker_check=TrackerCheck(**check) if check else None,
+    )
+
+
+def peer_of(row: Row, rows: Sequence[Row]) -> Row | None:
+    """The peer row whose measured peak was `row`'s budget."""
+    return next((peer for peer in rows if peer.mode is row.mode and label(peer) == row.peer), None)
+
+
+def ratios_vs_peer(row: Row, rows: Sequence[Row]) -> list[float]:
+    """Per round: our step time over the peer's (rounds are paired, so drift cancels)."""
+    peer = peer_of(row, rows)
+    if peer is None or len(peer.round_ratios_vs_none) != len(row.round_ratios_vs_none):
+        return []
+    return [
+        ours / theirs
+        for ours, theirs in zip(row.round_ratios_vs_none, peer.round_ratios_vs_none, strict=True)
+    ]
+
+
+def time_vs_peer(row: Row, rows: Sequence[Row]) -> float | None:
+    """Our step time over the peer's: the median over rounds."""
+    ratios = ratios_vs_peer(row, rows)
+    return statistics.median(ratios) if ratios else None
+
+
+def matches_peer(row: Row, rows: Sequence[Row]) -> bool | None:
+    """Done-when of issue 7: our measured peak within the peer's, and our step time no worse than its."""
+    ratio = time_vs_peer(row, rows)
+    if row.within_budget is None or ratio is None:
+        return None
+    return row.within_budget and ratio <= 1.0
+
+
+def spread_text(row: Row, rows: Sequence[Row]) -> str:
+    """How the per-round ratios to the peer spread, so a median above 1 can be told from noise."""
+    ratios = ratios_vs_peer(row, rows)
+    if not ratios:
+        return ""
+    if min(ratios) > 1.0:
+        verdict = f"slower in all {len(ratios)} rounds"
+    elif max(ratios) <= 1.0:
+        verdict = f"no slower in all {len(ratios)} rounds"
+    else:
+        verdict = f"rounds {min(ratios):.2f}-{max(ratios):.2f}"
+    return verdict
+
+
+def budget_cell(row: Row) -> str:
+    if row.budget_fraction is not None and row.family is Family.PEER:
+        return f"fraction {row.budget_fraction:g}"
+    return mib(row.budget_bytes) if row.budget_bytes is not None else "—"
+
+
+def peak_cell(row: Row) -> str:
+    text = mib(row.peak_bytes)
+    if row.ran_compiled is False:
+        text += " (ran eagerly)"
+    return text
+
+
+def gradient_cell(row: Row) -> str:
+    text = yes_no(row.gradients_equal)
+    if row.gradients_equal is False and row.gradient_error is not None:
+        text += f" (error {row.gradient_error:.1e})"
+    if row.buffers_equal is False:
+        text += " (buffers differ)"
+    return text
+
+
+def ours_cell(row: Row, rows: Sequence[Row]) -> str:
+    if row.family is not Family.OURS:
+        return ""
+    notes = [
+        f"{fmt(time_vs_peer(row, rows), '.3f')}x peer's time ({spread_text(row, rows)})",
+        f"matches peer: {yes_no(matches_peer(row, rows))}",
+    ]
+    if row.infeasible_min_peak_bytes is not None:
+        notes.append(f"budget below our predicted min {mib(row.infeasible_min_peak_bytes)}: planned at min")
+    if row.same_plan_as:
+        notes.append(f"same plan as {row.same_plan_as}")
+    return "; ".join(notes)
+
+
+def table_line(model: str, row: Row, rows: Sequence[Row]) -> str:
+    if row.not_applicable or row.error:
+        reason = f"not applicable: {row.not_applicable}" if row.not_applicable else f"error: {row.error}"
+        reason = reason if len(reason) <= REASON_CHARACTERS else reason[: REASON_CHARACTERS - 1] + "…"
+        return f"| {model} | {label(row)} | {reason} | | | | | |"
+    return (
+        f"| {model} | {label(row)} | {budget_cell(row)} | {peak_cell(row)} | {yes_no(row.within_budget)} | "
+        f"{fmt(row.time_ratio_vs_none, '.3f')} | {gradient_cell(row)} | {ours_cell(row, rows)} |"
+    )
+
+
+def mode_table(results: Sequence[ModelResult], mode: Mode) -> list[str]:
+    lines = [
+        "| model | row | budget (MiB) | measured peak (MiB) | within budget | step time vs none | "
+        "grads equal | ours against its peer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        if result.error:
+            lines.append(f"| {result.name} | error: {result.error} | | | | | | |")
+            continue
+        rows = [row for row in result.rows if row.mode is mode]
+        lines += [table_line(result.name, row, rows) for row in rows]
+    return lines
+
+
+def misses(results: Sequence[ModelResult]) -> list[str]:
+    """One line per place where ours does not reach a peer's budget at no more step time, and other faults."""
+    lines = []
+    for result in results:
+        for row in result.rows:
+            where = f"{result.name} ({row.mode}) {label(row)}"
+            if row.family is Family.OURS and matches_peer(row, result.rows) is False:
+                lines.append(
+                    f"- {where}: peak {mib(row.peak_bytes)} MiB against budget {mib(row.budget_bytes)} MiB, "
+                    f"step time {fmt(time_vs_peer(row, result.rows), '.3f')}x the peer's "
+                    f"({spread_text(row, result.rows)})"
+                )
+            if row.gradients_equal is False:
+                lines.append(
+                    f"- {where}: gradients differ from {REFERENCES[row.mode]}: {row.gradient_mismatch}"
+                )
+            if row.ran_compiled is False:
+                lines.append(f"- {where}: dynamo ran the step eagerly; its figures are not compiled ones")
+            if row.error:
+                lines.append(f"- {where}: {row.error}")
+    return lines or ["- none"]
+
+
+def tracker_table(results: Sequence[ModelResult]) -> list[str]:
+    lines = [
+        "| model | eager: tracker MiB | eager: allocator MiB | compiled: allocator MiB | "
+        "compiled: tracker MiB | compiled code ran after the tracker |",
+        "|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        check = result.tracker_check
+        if check is not None:
+            lines.append(
+                f"| {result.name} | {mib(check.eager_tracker_peak_bytes)} | "
+                f"{mib(check.eager_allocator_peak_bytes)} | {mib(check.compiled_allocator_peak_bytes)} | "
+                f"{mib(check.compiled_tracker_peak_bytes)} | {yes_no(check.ran_compiled_after_tracker)} |"
+            )
+    return lines
+
+
+def markdown(results: Sequence[ModelResult], context: dict[str, Any]) -> str:
+    device = context["device"]
+    load = ", ".join(f"{value:.1f}" for value in context["machine"]["load_average_1_5_15_min"])
+    header = [
+        f"# Side-by-side benchmark on {device} ({'quick' if context['quick'] else 'full'} run)",
+        "",
+        f"{context['machine']['processor']}, {context['machine']['cpu_count']} CPUs, torch "
+        f"{context['machine']['torch_version']}; load average at start {load} (1/5/15 min); "
+        f"{context['rounds']} interleaved timing rounds; {context['total_s'] / 60:.1f} minutes. "
+        f"Command: `{' '.join(context['command'])}`",
+        "",
+        "Ours is planned with the peer's measured peak as its budget. Step time vs none: median over rounds "
+        "of the step-time ratio to no checkpointing in the same mode. Grads equal: loss, gradients and "
+        "buffers after one step vs the unmodified model (same seed, dropout included): eager rows vs the "
+        "eager model, compiled rows vs compiled no checkpointing (inductor draws its own dropout masks).",
+        "",
+    ]
+    sections = []
+    for mode in Mode:
+        sections += [
+            f"## {device}, {mode}: peaks are {peak_source(device, mode)}",
+            "",
+            *mode_table(results, mode),
+            "",
+        ]
+    footer = ["## Where ours does not match its peer, and other faults", "", *misses(results), ""]
+    if any(result.tracker_check for result in results):
+        footer += [
+            "## The live-storage tracker on compiled steps",
+            "",
+            "Dynamo runs no compiled code under a TorchDispatchMode, so the tracker reports a compiled "
+            "module's eager peak (and the module runs eagerly from then on): compiled rows count allocator "
+            "events instead.",
+            "",
+            *tracker_table(results),
+            "",
+        ]
+    return "\n".join(header + sections + footer)
+
+
+ROW_STYLES = {
+    Family.BASELINE: ("black", "none"),
+    SQRT_SEGMENTS: ("tab:orange", "sqrt(n) segments"),
+    EVERY_BLOCK: ("tab:red", "every block"),
+    "compile": ("tab:purple", "compile budget"),
+    "dp": ("tab:blue", "ours dp"),
+    "ilp": ("tab:green", "ours ilp"),
+}
+
+
+def row_style(row: Row) -> tuple[str, str]:
+    if row.family is Family.BASELINE:
+        return ROW_STYLES[Family.BASELINE]
+    if row.family is Family.OURS:
+        return ROW_STYLES[row.solver or "dp"]
+    return ROW_STYLES[row.method] if row.method in ROW_STYLES else ROW_STYLES["compile"]
+
+
+def plot(results: Sequence[ModelResult], path: Path, *, title: str) -> None:
+    """Measured peak against step-time ratio, one panel per model; circles eager, triangles compiled."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    shown = [result for result in results if result.rows]
+    columns = min(4, max(1, len(shown)))
+    lines_of_panels = -(-len(shown) // columns)
+    figure = Figure(figsize=(4.2 * columns, 3.4 * lines_of_panels + 0.8), layout="constrained")
+    axes = figure.subplots(lines_of_panels, columns, squeeze=False)
+    for axis, result in zip(axes.flat, shown, strict=False):
+        for row in result.rows:
+            if row.peak_bytes is None or row.time_ratio_vs_none is None:
+                continue
+            colour, _ = row_style(row)
+            marker = "o" if row.mode is Mode.EAGER else "^"
+            # ours hollow and larger, so that a peer or baseline at the same point stays visible
+            face = "none" if row.family is Family.OURS else colour
+            size = 70 if row.family is Family.OURS else 30
+            axis.scatter(
+                row.time_ratio_vs_none, row.peak_bytes / MIB, marker=marker, s=size, facecolors=face,
+                edgecolors=colour, linewidths=1.4,
+            )  # fmt: skip
+        axis.set_title(result.name, fontsize=10)
+        axis.set_xlabel("step time / no checkpointing", fontsize=8)
+        axis.set_ylabel("measured peak (MiB)", fontsize=8)
+        axis.tick_params(labelsize=7)
+        axis.grid(alpha=0.3)
+    for axis in list(axes.flat)[len(shown) :]:
+        axis.set_visible(False)
+    handles = [
+        Line2D([], [], color=colour, marker="s", linestyle="", label=name)
+        for colour, name in ROW_STYLES.values()
+    ]
+    handles += [
+        Line2D([], [], color="grey", marker="o", linestyle="", label="eager"),
+        Line2D([], [], color="grey", marker="^", linestyle="", label="compiled"),
+    ]
+    figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
+    figure.suptitle(title, fontsize=11)
+    figure.savefig(path, dpi=110)

@@ -1,0 +1,170 @@
+"""bench/compare.py's verdicts and tables (bench/compare_report.py) and its compiled-step measurement.
+
+The benchmark itself runs for minutes and asserts nothing; these check what its tables say (the
+done-when verdict of each of our rows, the list of misses, the JSON round trip) and that the
+allocator-event count it uses for compiled steps agrees with `planner.measure` on an eager step and
+does see compiled code running.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import planner
+from planner.zoo_real import ExampleCall
+
+BENCH_DIRECTORY = Path(__file__).resolve().parent.parent / "bench"
+MIB = 2**20
+
+
+def bench_module(name: str) -> ModuleType:
+    """A bench/ script as a module (the scripts import each other as top-level modules)."""
+    if str(BENCH_DIRECTORY) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIRECTORY))
+    return importlib.import_module(name)
+
+
+compare = bench_module("compare")
+report = bench_module("compare_report")
+peers = bench_module("peers")
+
+
+def fake_result() -> Any:
+    """One model: no checkpointing, a peer, ours within budget and faster, ours over budget and slower."""
+    row, mode, family = report.Row, report.Mode.EAGER, report.Family
+    rows = [
+        row(method=report.NO_CHECKPOINTING, mode=mode, family=family.BASELINE, peak_bytes=40 * MIB,
+            time_ratio_vs_none=1.0, round_ratios_vs_none=[1.0, 1.0, 1.0], gradients_equal=True),
+        row(method="every block", mode=mode, family=family.PEER, peak_bytes=30 * MIB, time_ratio_vs_none=1.3,
+            round_ratios_vs_none=[1.3, 1.2, 1.4], gradients_equal=True),
+        row(method="ours", mode=mode, family=family.OURS, peer="every block", solver="dp",
+            budget_bytes=30 * MIB, peak_bytes=29 * MIB, within_budget=True, time_ratio_vs_none=1.1,
+            round_ratios_vs_none=[1.1, 1.08, 1.5], gradients_equal=True),
+        row(method="ours", mode=mode, family=family.OURS, peer="every block", solver="ilp",
+            budget_bytes=30 * MIB, peak_bytes=31 * MIB, within_budget=False, time_ratio_vs_none=1.43,
+            round_ratios_vs_none=[1.43, 1.32, 1.54], gradients_equal=False,
+            gradient_mismatch="gradient 3 differs"),
+        row(method="sqrt(n) segments", mode=mode, family=family.PEER, not_applicable="no block container"),
+    ]  # fmt: skip
+    return report.ModelResult(name="tiny", device="cpu", rows=rows)
+
+
+def context() -> dict[str, object]:
+    return {
+        "device": "cpu",
+        "quick": True,
+        "rounds": 3,
+        "total_s": 60.0,
+        "command": ["python", "bench/compare.py", "--quick"],
+        "machine": {
+            "processor": "x86_64",
+            "cpu_count": 2,
+            "torch_version": torch.__version__,
+            "load_average_1_5_15_min": [1.0, 1.0, 1.0],
+        },
+    }
+
+
+def test_ours_matches_a_peer_only_within_its_budget_and_no_slower() -> None:
+    result = fake_result()
+    dp, ilp = result.rows[2], result.rows[3]
+    assert report.time_vs_peer(dp, result.rows) == pytest.approx(0.9), "median of the paired rounds"
+    assert report.matches_peer(dp, result.rows) is True
+    assert report.time_vs_peer(ilp, result.rows) == pytest.approx(1.1)
+    assert report.matches_peer(ilp, result.rows) is False
+    assert report.spread_text(dp, result.rows) == "rounds 0.85-1.07"
+    assert report.spread_text(ilp, result.rows) == "slower in all 3 rounds"
+    assert report.matches_peer(result.rows[1], result.rows) is None, "a peer is not judged against itself"
+
+
+def test_the_table_shows_every_row_and_the_misses_name_the_losing_one() -> None:
+    table = report.markdown([fake_result()], context())
+    lines = table.splitlines()
+    dp_line = next(line for line in lines if "| ours dp @ every block |" in line)
+    ilp_line = next(line for line in lines if "| ours ilp @ every block |" in line)
+    assert "0.900x peer's time (rounds 0.85-1.07); matches peer: yes" in dp_line, dp_line
+    assert "| 31.00 | **no** |" in ilp_line and "matches peer: **no**" in ilp_line, ilp_line
+    assert any("sqrt(n) segments | not applicable: no block container" in line for line in lines)
+    misses = table[table.index("## Where ours does not match") :]
+    assert "tiny (eager) ours ilp @ every block: peak 31.00 MiB against budget 30.00 MiB" in misses
+    assert "step time 1.100x the peer's (slower in all 3 rounds)" in misses
+    assert "gradients differ from the unmodified eager model's: gradient 3 differs" in misses
+    assert "ours dp" not in misses, misses
+    assert "cpu, compiled" in table, "each mode has its own table, even when empty"
+
+
+def test_a_result_survives_the_json_between_worker_and_parent() -> None:
+    result = fake_result()
+    result.tracker_check = report.TrackerCheck(
+        eager_tracker_peak_bytes=1,
+        eager_allocator_peak_bytes=2,
+        compiled_allocator_peak_bytes=3,
+        compiled_tracker_peak_bytes=4,
+        ran_compiled_after_tracker=False,
+    )
+    loaded = report.result_from_dict(json.loads(json.dumps(asdict(result))))
+    assert loaded == result
+    assert loaded.rows[0].mode is report.Mode.EAGER
+
+
+def test_interleaved_rounds_put_every_variant_in_every_position() -> None:
+    runners = ["a", "b", "c", "d"]
+    orders = [peers.round_order(runners, index) for index in range(2 * len(runners))]
+    assert all(sorted(order) == runners for order in orders)
+    for position in range(len(runners)):
+        assert {order[position] for order in orders[: len(runners)]} == set(runners)
+    assert orders[len(runners)] == list(reversed(orders[0])), "the second pass runs the other way round"
+
+
+class TinyMLP(nn.Module):
+    """A forward of its own: dynamo keeps compiled code per code object; none is shared with other tests.
+    No dropout, so compiled and eager steps see the same function (NOTE [compiled gradients])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+def tiny_call() -> ExampleCall:
+    torch.manual_seed(0)
+    return ExampleCall(TinyMLP(), (torch.randn(128, 64),))
+
+
+def test_allocator_events_count_an_eager_step_as_the_live_storage_tracker_does() -> None:
+    call = tiny_call()
+    tracked = planner.measure(copy.deepcopy(call.model), call.args).peak_bytes
+    counted = compare.allocator_step_memory(copy.deepcopy(call.model), call)
+    assert counted.peak_bytes == tracked
+    assert counted.ran_compiled is False
+
+
+def test_compiled_steps_run_compiled_code_and_match_the_eager_gradients() -> None:
+    call = tiny_call()
+    eager = peers.one_step(peers.variant_of(call.model), call.args)
+    with compare.compiler_settings():
+        none = compare.fraction_candidate(call, 1.0)
+        compiled_reference = compare.measure_candidate(none, call, eager)
+        least = compare.fraction_candidate(call, 0.0)
+        compare.measure_candidate(least, call, compiled_reference)
+    for row in (none.row, least.row):
+        assert row.ran_compiled is True, f"{row.method}: the allocator count must come from a compiled step"
+        assert row.gradients_equal is True, f"{row.method}: {row.gradient_mismatch}"
+        assert row.peak_bytes is not None and row.peak_bytes > compare.static_bytes(call.model, call)
+    assert none.row.kept_after_forward_bytes is not None and least.row.kept_after_forward_bytes is not None
+    assert least.row.kept_after_forward_bytes < none.row.kept_after_forward_bytes, (
+        "activation_memory_budget=0 keeps less for backward than the default partition"
+    )

@@ -61,7 +61,7 @@ timed side by side keep their own compiled code without `torch._dynamo.reset()` 
 would throw away the variants compiled before). The C++ kernel cache of inductor is keyed by the
 kernel's source and stays on: a later run reuses compiled kernels and compiles faster.
 
-Run from the repository root:
+Run from the repository root (two models at a time by default, `--jobs`; see `DEFAULT_JOBS`):
 
     .venv/bin/python bench/compare.py --quick      # 2 small models, 3 rounds, fractions 1.0 and 0.0
     .venv/bin/python bench/compare.py              # the whole zoo, 7 rounds, fractions 1.0/0.5/0.2/0.0
@@ -81,6 +81,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -162,6 +163,10 @@ KEPT_SLACK = 0.02
 RECOMPILE_LIMIT = 64
 """Dynamo's cache entries per code object; every compiled variant of one model class needs its own."""
 MODEL_TIMEOUT_S = 1200
+DEFAULT_JOBS = 2
+"""Two models at a time, each with half the cores: most of a model's time is compiling and profiling,
+which use one core, so two processes finish the zoo in about half the time. Each process times its own
+variants in interleaved rounds, so the other process slows all of them alike."""
 COMPILED_REGION_EVENT = "Torch-Compiled Region"
 """Profiler event name of a compiled frame: its absence means dynamo ran the step eagerly."""
 FORWARD_LABEL = "bench.compare.forward"
@@ -216,8 +221,9 @@ def build_example(name: str, device: str) -> ExampleCall:
 def compiler_settings() -> Iterator[None]:
     """NOTE [compile caches]."""
     torch._dynamo.reset()
+    # one compile worker per torch thread: with --jobs, each model process has its share of the cores
     with (
-        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False, compile_threads=torch.get_num_threads()),
         torch._functorch.config.patch(enable_autograd_cache=False),
         torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
     ):
@@ -724,7 +730,18 @@ def run_in_subprocess(name: str, settings: Settings, directory: Path) -> ModelRe
     return result_from_dict(json.loads(out.read_text()))
 
 
-def run_all(names: Sequence[str], settings: Settings) -> list[ModelResult]:
+def longest_first(names: Sequence[str], previous: Path) -> list[str]:
+    """`names` by the seconds a previous run at `previous` took, longest (and unknown) first, so that
+    parallel jobs finish together."""
+    try:
+        models = json.loads(previous.read_text())["models"]
+        seconds = {name: float(model["seconds"] or 0.0) for name, model in models.items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        seconds = {}
+    return sorted(names, key=lambda name: -seconds.get(name, math.inf))
+
+
+def run_all(names: Sequence[str], settings: Settings, *, previous: Path) -> list[ModelResult]:
     """Every model in its own process, `settings.jobs` at a time; results in the order of `names`."""
     started_s = time.perf_counter()
 
@@ -736,7 +753,9 @@ def run_all(names: Sequence[str], settings: Settings) -> list[ModelResult]:
 
     with tempfile.TemporaryDirectory(prefix="compare-") as directory:
         with concurrent.futures.ThreadPoolExecutor(max_workers=settings.jobs) as pool:
-            return list(pool.map(run, names))
+            order = longest_first(names, previous)
+            by_name = dict(zip(order, pool.map(run, order), strict=True))
+    return [by_name[name] for name in names]
 
 
 def settings_for(arguments: argparse.Namespace) -> Settings:
@@ -769,9 +788,10 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--jobs",
         type=int,
-        default=1,
-        help="models at once, each with cpu_count/jobs torch threads (default 1)",
+        default=DEFAULT_JOBS,
+        help=f"models at once, each with cpu_count/jobs torch threads (default {DEFAULT_JOBS})",
     )
+    parser.add_argument("--render", type=Path, help="rewrite the .md and .png of a JSON this script wrote")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
@@ -796,17 +816,30 @@ def worker_main(arguments: argparse.Namespace) -> int:
     return 0
 
 
-def write_results(
-    results: Sequence[ModelResult], arguments: argparse.Namespace, context: dict[str, Any]
-) -> None:
+def write_results(results: Sequence[ModelResult], out: Path, context: dict[str, Any]) -> None:
     document = {**context, "models": {result.name: asdict(result) for result in results}}
-    arguments.out.parent.mkdir(parents=True, exist_ok=True)
-    arguments.out.write_text(json.dumps(document, indent=1, allow_nan=False, default=str) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=1, allow_nan=False, default=str) + "\n")
+    write_tables(results, out, context)
+
+
+def write_tables(results: Sequence[ModelResult], out: Path, context: dict[str, Any]) -> None:
+    """The markdown (also to stdout) and the plot beside the JSON at `out`."""
     table = markdown(results, context)
-    arguments.out.with_suffix(".md").write_text(table)
-    title = f"{arguments.device}: measured peak vs step time ({'quick' if arguments.quick else 'full'} run)"
-    plot(results, arguments.out.with_suffix(".png"), title=title)
+    out.with_suffix(".md").write_text(table)
+    run = "quick" if context["quick"] else "full"
+    plot(
+        results, out.with_suffix(".png"), title=f"{context['device']}: measured peak vs step time ({run} run)"
+    )
     sys.stdout.write(table)
+
+
+def render(path: Path) -> int:
+    """Rewrite the tables and the plot of a JSON this script wrote, without measuring anything."""
+    document = json.loads(path.read_text())
+    results = [result_from_dict(model) for model in document["models"].values()]
+    write_tables(results, path, {key: value for key, value in document.items() if key != "models"})
+    return 0
 
 
 def main(argv: Sequence[str]) -> int:
@@ -816,6 +849,8 @@ def main(argv: Sequence[str]) -> int:
     logging.getLogger("planner").setLevel(logging.WARNING)
     if arguments.worker:
         return worker_main(arguments)
+    if arguments.render:
+        return render(arguments.render)
     settings = settings_for(arguments)
     started_s = time.perf_counter()
     context: dict[str, Any] = {
@@ -829,9 +864,9 @@ def main(argv: Sequence[str]) -> int:
         "jobs": settings.jobs,
         "torch_threads_per_model": worker_threads(settings.jobs),
     }
-    results = run_all(arguments.models, settings)
+    results = run_all(arguments.models, settings, previous=arguments.out)
     context["total_s"] = time.perf_counter() - started_s
-    write_results(results, arguments, context)
+    write_results(results, arguments.out, context)
     log.info("wrote %s (.md, .png) in %.1f s", arguments.out, context["total_s"])
     return 0
 

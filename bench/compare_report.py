@@ -13,7 +13,6 @@ same mode. Eager and compiled rows go into separate tables, since their peaks ar
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -35,10 +34,13 @@ __all__ = [
     "misses",
     "plot",
     "result_from_dict",
+    "summary_table",
     "time_vs_peer",
 ]
 
 NO_CHECKPOINTING = "no checkpointing"
+MIN_PEAK_SPAN = 0.02
+"""A panel's peak axis spans at least this fraction of its value."""
 REASON_CHARACTERS = 160
 """Characters of a "not applicable" or error reason shown in a table (the JSON has all of it)."""
 
@@ -165,7 +167,7 @@ def peer_of(row: Row, rows: Sequence[Row]) -> Row | None:
 
 
 def ratios_vs_peer(row: Row, rows: Sequence[Row]) -> list[float]:
-    """Per round: our step time over the peer's (rounds are paired, so drift cancels)."""
+    """Per round: our step time over the peer's (one round runs both, so drift between rounds cancels)."""
     peer = peer_of(row, rows)
     if peer is None or len(peer.round_ratios_vs_none) != len(row.round_ratios_vs_none):
         return []
@@ -176,9 +178,11 @@ def ratios_vs_peer(row: Row, rows: Sequence[Row]) -> list[float]:
 
 
 def time_vs_peer(row: Row, rows: Sequence[Row]) -> float | None:
-    """Our step time over the peer's: the median over rounds."""
-    ratios = ratios_vs_peer(row, rows)
-    return statistics.median(ratios) if ratios else None
+    """Our step-time ratio over the peer's (each the median of its rounds against no checkpointing)."""
+    peer = peer_of(row, rows)
+    if peer is None or row.time_ratio_vs_none is None or peer.time_ratio_vs_none is None:
+        return None
+    return row.time_ratio_vs_none / peer.time_ratio_vs_none
 
 
 def matches_peer(row: Row, rows: Sequence[Row]) -> bool | None:
@@ -305,6 +309,52 @@ def tracker_table(results: Sequence[ModelResult]) -> list[str]:
     return lines
 
 
+def ours_against(peer: Row, rows: Sequence[Row], solver: str) -> Row | None:
+    return next(
+        (
+            row
+            for row in rows
+            if row.family is Family.OURS and row.solver == solver and row.peer == label(peer)
+        ),
+        None,
+    )
+
+
+def peak_and_time(row: Row | None) -> str:
+    if row is None or row.peak_bytes is None:
+        return "—"
+    return f"{mib(row.peak_bytes)} / {fmt(row.time_ratio_vs_none, '.2f')}"
+
+
+def verdict_cell(peer: Row, rows: Sequence[Row]) -> str:
+    """Per solver: does our row reach the peer's peak at no more step time (`matches_peer`)?"""
+    verdicts = []
+    for solver in ("dp", "ilp"):
+        ours = ours_against(peer, rows, solver)
+        if ours is not None:
+            verdicts.append(f"{solver} {yes_no(matches_peer(ours, rows))}")
+    return ", ".join(verdicts) or "—"
+
+
+def summary_table(results: Sequence[ModelResult]) -> list[str]:
+    """One line per model, mode and peer: the peer's peak and time against ours at that peak."""
+    lines = [
+        "| model | mode | peer | peer: peak MiB / time | ours dp: peak MiB / time | "
+        "ours ilp: peak MiB / time | ours within the peer's peak and no slower |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        peers = [row for row in result.rows if row.family is Family.PEER and row.peak_bytes is not None]
+        for peer in peers:
+            rows = [row for row in result.rows if row.mode is peer.mode]
+            lines.append(
+                f"| {result.name} | {peer.mode} | {label(peer)} | {peak_and_time(peer)} | "
+                f"{peak_and_time(ours_against(peer, rows, 'dp'))} | "
+                f"{peak_and_time(ours_against(peer, rows, 'ilp'))} | {verdict_cell(peer, rows)} |"
+            )
+    return lines
+
+
 def markdown(results: Sequence[ModelResult], context: dict[str, Any]) -> str:
     device = context["device"]
     load = ", ".join(f"{value:.1f}" for value in context["machine"]["load_average_1_5_15_min"])
@@ -322,7 +372,14 @@ def markdown(results: Sequence[ModelResult], context: dict[str, Any]) -> str:
         "eager model, compiled rows vs compiled no checkpointing (inductor draws its own dropout masks).",
         "",
     ]
-    sections = []
+    sections = [
+        "## Summary: each peer against our plans at its measured peak",
+        "",
+        "Time: step time over no checkpointing in the same mode (median of interleaved rounds).",
+        "",
+        *summary_table(results),
+        "",
+    ]
     for mode in Mode:
         sections += [
             f"## {device}, {mode}: peaks are {peak_source(device, mode)}",
@@ -390,6 +447,10 @@ def plot(results: Sequence[ModelResult], path: Path, *, title: str) -> None:
         axis.set_xlabel("step time / no checkpointing", fontsize=8)
         axis.set_ylabel("measured peak (MiB)", fontsize=8)
         axis.tick_params(labelsize=7)
+        axis.ticklabel_format(axis="y", useOffset=False, style="plain")
+        low, high = axis.get_ylim()
+        if high - low < MIN_PEAK_SPAN * high:  # every row at one peak: show it as a flat line, not noise
+            axis.set_ylim(low * (1 - MIN_PEAK_SPAN), high * (1 + MIN_PEAK_SPAN))
         axis.grid(alpha=0.3)
     for axis in list(axes.flat)[len(shown) :]:
         axis.set_visible(False)

@@ -67,10 +67,12 @@ Run from the repository root (two models at a time by default, `--jobs`; see `DE
     .venv/bin/python bench/compare.py              # the whole zoo, 7 rounds, fractions 1.0/0.5/0.2/0.0
     .venv/bin/python bench/compare.py --models gpt_tiny,hf_gpt2 --out /tmp/compare.json
     .venv/bin/python bench/compare.py --device cuda    # its own files: compare_cuda.{json,md,png}
+    .venv/bin/python bench/compare.py --render bench/results/compare.json    # tables and plot again
 
 Results: JSON at `--out` (default `bench/results/compare.json`, `compare_quick.json` with `--quick`), the
-markdown tables (`.md`, also printed to stdout) and the plot (`.png`: measured peak against step-time
-ratio, per model) beside it. Progress goes to stderr.
+markdown tables (`.md`, also printed to stdout; verdicts and rendering live in bench/compare_report.py) and
+the plot (`.png`: measured peak against step-time ratio, per model) beside it. Models run longest first
+by the previous JSON's timings. Progress goes to stderr.
 """
 
 from __future__ import annotations

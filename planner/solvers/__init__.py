@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from planner.errors import InfeasibleBudget
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule, SimulationResult
 from planner.simulate import simulate, store_everything
-from planner.solvers.chain import Chain, build_chain
-from planner.solvers.dp import CostTable, dp_schedule, min_peak_schedule, tabulate
+from planner.solvers.chain import Chain, RegionCosts, build_chain
+from planner.solvers.dp import CostTable, dp_schedule, min_peak_schedule, region_costs, tabulate
 from planner.solvers.ilp import ilp_schedule
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ MAX_TIGHTENING = 6
 class _Tables:
     graph: ActivationGraph
     chain: Chain
+    costs: RegionCosts
     table: CostTable
 
 
@@ -53,12 +54,13 @@ _cache: list[_Tables] = []
 
 
 def _tables(graph: ActivationGraph) -> _Tables:
-    """Chain and cost table of `graph`, built once per graph object."""
+    """Chain, region costs and cost table of `graph`, built once per graph object."""
     for entry in _cache:
         if entry.graph is graph:
             return entry
     chain = build_chain(graph)
-    entry = _Tables(graph=graph, chain=chain, table=tabulate(chain))
+    costs = region_costs(chain)
+    entry = _Tables(graph=graph, chain=chain, costs=costs, table=tabulate(costs))
     _cache[:] = [entry, *_cache[:3]]
     return entry
 
@@ -141,7 +143,7 @@ def solve_ilp(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
     dp_ms = simulate(graph, dp_plan).recompute_ms
     started = time.perf_counter()
     result = ilp_schedule(
-        _tables(graph).chain,
+        _tables(graph).costs,
         _tables(graph).table,
         activation_budget_bytes=budget_bytes - graph.static.resident_bytes,
         hint=dp_plan,

@@ -258,6 +258,10 @@ class _Shape:
     charged_bytes: int
     trigger_offset: int | None
     """Replay trigger minus region start; None when nothing is replayed."""
+    cost: RegionCost
+    """The full cost of the region this shape was costed at."""
+    later_gradient_bytes: int
+    """Parameter gradients of the nodes after that region (in its backward points)."""
 
 
 class RegionCosts:
@@ -331,7 +335,34 @@ class RegionCosts:
             - self._later_gradient_bytes(region.stop),
             charged_bytes=cost.charged_bytes,
             trigger_offset=None if trigger is None else trigger - region.start,
+            cost=cost,
+            later_gradient_bytes=self._later_gradient_bytes(region.stop),
         )
+
+    def _costed_shape(self, region: Region, previous_stores: bool) -> _Shape:
+        assert not region.keep, "structure keys describe keep-free regions"
+        before = self.save_keys[region.start - 1] if previous_stores and region.start > 0 else None
+        key = (region.policy, before, tuple(self.node_keys[region.start : region.stop]))
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = self._shape(region, previous_stores=previous_stores)
+        return shape
+
+    def cost(self, region: Region, *, previous_stores: bool) -> RegionCost:
+        """`region_cost(chain, region, previous_stores=...)`, from its shape when one was costed: the
+        backward points shifted by the gradients of later nodes, the recompute summed as it does."""
+        shape = self._costed_shape(region, previous_stores)
+        shift = self._later_gradient_bytes(region.stop) - shape.later_gradient_bytes
+        forward_count = region.stop - region.start
+        points = shape.cost.points_bytes[:forward_count] + tuple(
+            point + shift for point in shape.cost.points_bytes[forward_count:]
+        )
+        recompute_ms = 0.0
+        if shape.trigger_offset is not None:
+            replayed = self.chain.graph.nodes[region.start : region.start + shape.trigger_offset + 1]
+            for node in replayed:
+                recompute_ms += node.forward_ms
+        return RegionCost(charged_bytes=shape.charged_bytes, points_bytes=points, recompute_ms=recompute_ms)
 
     def summary(self, region: Region, *, previous_stores: bool) -> RegionSummary:
         """`region_cost(chain, region, previous_stores=...)` summarised, shared across one structure.
@@ -339,12 +370,7 @@ class RegionCosts:
         Recompute is a difference of running sums, so it may differ from `region_cost`'s in the last
         bits of the float.
         """
-        assert not region.keep, "structure keys describe keep-free regions"
-        before = self.save_keys[region.start - 1] if previous_stores and region.start > 0 else None
-        key = (region.policy, before, tuple(self.node_keys[region.start : region.stop]))
-        shape = self._shapes.get(key)
-        if shape is None:
-            shape = self._shapes[key] = self._shape(region, previous_stores=previous_stores)
+        shape = self._costed_shape(region, previous_stores)
         recompute_ms = 0.0
         if shape.trigger_offset is not None:
             replayed_to = region.start + shape.trigger_offset + 1

@@ -29,7 +29,15 @@ import numpy.typing as npt
 from planner.ir import Region, RegionPolicy, Schedule
 from planner.solvers.chain import Chain, RegionCosts, RegionSummary
 
-__all__ = ["CostTable", "DpResult", "dp_schedule", "least_recompute", "min_peak_schedule", "tabulate"]
+__all__ = [
+    "CostTable",
+    "DpResult",
+    "dp_schedule",
+    "least_recompute",
+    "min_peak_schedule",
+    "region_costs",
+    "tabulate",
+]
 
 MAX_REGION_SEGMENTS = 16
 """Longest checkpointed region, in segments between cuts. The lowest peaks come from regions of about
@@ -51,17 +59,23 @@ class Objective(enum.Enum):
     """Lowest peak (ties: less recompute)."""
 
 
-def tabulate(chain: Chain) -> CostTable:
+def region_costs(chain: Chain) -> RegionCosts:
+    """The region costs `tabulate` reads, sharing structure up to the longest region it tabulates."""
+    cuts = chain.cuts
+    longest = max(cuts[min(i + MAX_REGION_SEGMENTS, len(cuts) - 1)] - cuts[i] for i in range(len(cuts) - 1))
+    return RegionCosts(chain, max_region_nodes=longest)
+
+
+def tabulate(costs: RegionCosts) -> CostTable:
     """Region costs for pairs of cuts, policy and previous policy.
 
     Stored regions span one segment: a stored run of segments costs what its segments cost one by
     one (the storage crossing each cut is deduplicated through `previous_stores`). Checkpointed
     regions span up to MAX_REGION_SEGMENTS segments, which bounds the table at O(cuts) entries.
     """
+    chain = costs.chain
     nodes = chain.graph.nodes
     cuts = chain.cuts
-    longest = max(cuts[min(i + MAX_REGION_SEGMENTS, len(cuts) - 1)] - cuts[i] for i in range(len(cuts) - 1))
-    costs = RegionCosts(chain, max_region_nodes=longest)
     table: CostTable = {}
     for i, start in enumerate(cuts[:-1]):
         for j, stop in enumerate(cuts[i + 1 : i + 1 + MAX_REGION_SEGMENTS]):

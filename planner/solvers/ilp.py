@@ -34,7 +34,7 @@ import numpy as np
 
 from planner.ir import Region, RegionPolicy, Schedule
 from planner.simulate import recompute_trigger
-from planner.solvers.chain import Chain, RegionCost, RegionSummary, keep_effect, region_cost
+from planner.solvers.chain import Chain, RegionCost, RegionCosts, RegionSummary, keep_effect
 from planner.solvers.dp import CostTable, least_recompute
 
 __all__ = ["IlpResult", "ilp_schedule", "keepable"]
@@ -108,20 +108,21 @@ def _units(size_bytes: float) -> int:
     return math.ceil(size_bytes / BYTES_UNIT)
 
 
-def _edges(chain: Chain, candidates: list[int], table: CostTable) -> list[_Edge]:
+def _edges(costs: RegionCosts, candidates: list[int], table: CostTable) -> list[_Edge]:
     """One edge per region of `dp`'s table (stored regions span one segment: a stored run costs what
     its segments cost one by one, the storage crossing each cut deduplicated by `previous_stores`).
 
     A region without allowed keeps needs only its peak, which the table has; one with keeps needs every
     point of its timeline and each keep's effect on them.
     """
+    chain = costs.chain
     edges = []
     effects: dict[tuple[int, int], tuple[dict[int, tuple[int, ...]], dict[int, int]]] = {}
     for (start, stop, policy, previous_stores), (summary, *_) in table.items():
         region = Region(start, stop, policy)
         keeps = _allowed_keeps(chain, region, candidates) if policy is RegionPolicy.CHECKPOINT else []
         if keeps:
-            cost = region_cost(chain, region, previous_stores=previous_stores)
+            cost = costs.cost(region, previous_stores=previous_stores)
             if (start, stop) not in effects:
                 effect = {index: keep_effect(chain, region, index) for index in keeps}
                 effects[(start, stop)] = (
@@ -210,7 +211,7 @@ def _relevant_points(edge: _Edge) -> list[int]:
 
 
 def ilp_schedule(
-    chain: Chain,
+    costs: RegionCosts,
     table: CostTable,
     *,
     activation_budget_bytes: float,
@@ -229,8 +230,9 @@ def ilp_schedule(
     budget_units = math.floor(activation_budget_bytes / BYTES_UNIT)
     if budget_units < 0:
         return None
+    chain = costs.chain
     candidates = keepable(chain)
-    edges = _edges(chain, candidates, table)
+    edges = _edges(costs, candidates, table)
     relaxed = least_recompute(
         chain, _variant_table(chain, edges, relaxed=True), activation_budget_bytes=activation_budget_bytes
     )

@@ -88,7 +88,7 @@ def test_reported_gap_brackets_the_brute_force_optimum(seed: int) -> None:
     tables = _tables(graph)
     for budget, oracle_ms in brute_force_optima(graph):
         result = ilp_schedule(
-            tables.chain,
+            tables.costs,
             tables.table,
             activation_budget_bytes=budget - graph.static.resident_bytes,
             hint=None,

@@ -9,7 +9,7 @@ from synthetic_graphs import random_chain
 
 from planner.ir import ActivationGraph, Region
 from planner.solvers.chain import Chain, RegionCosts, build_chain, region_cost
-from planner.solvers.dp import tabulate
+from planner.solvers.dp import region_costs, tabulate
 from planner.synthetic import residual_graph
 
 GRAPHS = {
@@ -28,12 +28,15 @@ GRAPHS = {
 def test_every_tabulated_summary_equals_region_cost(name: str) -> None:
     graph: ActivationGraph = GRAPHS[name]()
     chain = build_chain(graph)
-    table = tabulate(chain)
+    costs = region_costs(chain)
+    table = tabulate(costs)
     assert table
     for (start, stop, policy, previous_stores), (summary,) in table.items():
-        cost = region_cost(chain, Region(start, stop, policy), previous_stores=previous_stores)
+        region = Region(start, stop, policy)
+        cost = region_cost(chain, region, previous_stores=previous_stores)
         assert (summary.peak_bytes, summary.charged_bytes) == (cost.peak_bytes, cost.charged_bytes)
         assert summary.recompute_ms == pytest.approx(cost.recompute_ms, rel=1e-12, abs=1e-12)
+        assert costs.cost(region, previous_stores=previous_stores) == cost
 
 
 def distinct_regions(chain: Chain) -> tuple[int, int]:
@@ -42,7 +45,7 @@ def distinct_regions(chain: Chain) -> tuple[int, int]:
     At the first cut no region comes before, so `previous_stores` cannot matter there.
     """
     costs = RegionCosts(chain, max_region_nodes=len(chain.graph.nodes))
-    table = tabulate(chain)
+    table = tabulate(region_costs(chain))
     for start, stop, policy, previous_stores in table:
         costs.summary(Region(start, stop, policy), previous_stores=previous_stores)
     return costs.distinct_regions, sum(

@@ -217,12 +217,15 @@ def keep_effect(chain: Chain, region: Region, index: int) -> tuple[tuple[int, ..
     )
     cache_bytes = chain.sizes[cache_name(graph, index)]
     created_bytes = _bytes(chain, node.creates)
-    forward = [
-        0
-        if step <= index
-        else cache_bytes + _bytes(chain, [s for s in node.creates if chain.last_read[s] < step])
-        for step in range(region.start, region.stop)
-    ]
+    released_at: dict[int, int] = {}
+    for name in node.creates:
+        read = max(chain.last_read[name], index)
+        released_at[read + 1] = released_at.get(read + 1, 0) + chain.sizes[name]
+    forward = [0] * (index + 1 - region.start)
+    held_bytes = cache_bytes
+    for step in range(index + 1, region.stop):
+        held_bytes += released_at.get(step, 0)
+        forward.append(held_bytes)
     backward: list[int] = []
     for step in range(region.stop - 1, region.start - 1, -1):
         if step == trigger:

@@ -155,10 +155,14 @@ def _prune(partials: _Partials, objective: Objective, total_ms: float) -> tuple[
     """Partials that no other beats on both retained bytes and the objective, by retained bytes; and
     whether the set had to be thinned (then the search is no longer exact)."""
     key = _objective(partials, objective, total_ms)
-    order = np.lexsort((key, partials.retained_bytes))
+    # The parts were each sorted by retained bytes: a stable sort merges those runs fast.
+    order = np.argsort(partials.retained_bytes, kind="stable")
     sorted_key = key[order]
     best_before = np.minimum.accumulate(np.concatenate(([np.inf], sorted_key[:-1])))
-    kept = partials.take(order[sorted_key < best_before])
+    improving = order[sorted_key < best_before]
+    # Among improving partials of equal retained bytes the last has the least objective.
+    retained = partials.retained_bytes[improving]
+    kept = partials.take(improving[np.concatenate((retained[1:] != retained[:-1], [True]))])
     if len(kept.ids) > MAX_FRONTIER:
         return _thin(kept), True
     return kept, False

@@ -226,7 +226,6 @@ def ilp_schedule(
     for a lower bound. When the plan meets the bound it is optimal and CP-SAT is not run (every graph
     without keepable nodes, for one); otherwise the bound tightens CP-SAT's reported gap.
     """
-    cp_model = _load_cp_model()
     budget_units = math.floor(activation_budget_bytes / BYTES_UNIT)
     if budget_units < 0:
         return None
@@ -245,6 +244,7 @@ def ilp_schedule(
     if greedy is not None and greedy.recompute_ms <= bound_ms * (1 + 1e-9):
         schedule = Schedule(regions=greedy.schedule.regions, solver="ilp")
         return IlpResult(schedule=schedule, recompute_ms=greedy.recompute_ms, gap=0.0, optimal=True)
+    cp_model = _load_cp_model()
     model, use, keep, objective = _model(cp_model, chain, edges, candidates, budget_units)
     if bound_ms > 0:
         # Our bound, for CP-SAT's search and its gap limit. Each edge and keep of a plan rounds its

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +15,7 @@ from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulate import recompute_trigger, simulate, store_everything
 from planner.solvers import _tables, lowest_peak, solve
 from planner.solvers.chain import keep_effect, region_cost
-from planner.solvers.ilp import _allowed_keeps, ilp_schedule, keepable
+from planner.solvers.ilp import _allowed_keeps, _load_cp_model, ilp_schedule, keepable
 from planner.synthetic import residual_graph
 
 
@@ -111,3 +112,9 @@ def test_keeps_on_a_long_stack_beat_dp_with_a_small_proven_gap() -> None:
     assert any(region.keep for region in ilp.regions)
     assert result.recompute_ms < dp_ms
     assert ilp.gap <= 0.01
+
+
+def test_missing_ortools_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ortools.sat.python.cp_model", None)
+    with pytest.raises(ImportError, match=r"pip install 'ortools"):
+        _load_cp_model()

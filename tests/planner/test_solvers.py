@@ -6,6 +6,7 @@ import itertools
 import random
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from synthetic_graphs import chain_graph, random_chain
 
@@ -13,6 +14,7 @@ from planner.errors import InfeasibleBudget
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulate import simulate, store_everything
 from planner.solvers import SOLVERS, lowest_peak, solve
+from planner.solvers.dp import Objective, _Partials, _prune
 
 
 def all_schedules(graph: ActivationGraph) -> Iterator[Schedule]:
@@ -116,3 +118,28 @@ def test_more_budget_never_costs_more_recompute() -> None:
     ]
     assert costs == sorted(costs, reverse=True)
     assert costs[-1] == 0.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_frontier_pruning_keeps_exactly_the_pareto_partials(seed: int) -> None:
+    """`_prune` merges runs sorted by retained bytes (ties included) into the Pareto set a naive
+    all-pairs filter finds: no kept partial is beaten on both retained bytes and recompute."""
+    rng = np.random.default_rng(seed)
+    runs = [np.sort(rng.integers(0, 40, size=int(rng.integers(1, 30)))) for _ in range(6)]
+    retained = np.concatenate(runs).astype(np.int64)
+    recompute = rng.integers(0, 25, size=len(retained)).astype(np.float64)
+    partials = _Partials(retained, np.zeros_like(retained), recompute, np.arange(len(retained)))
+    kept, thinned = _prune(partials, Objective.RECOMPUTE, total_ms=100.0)
+    expected = {
+        (int(r), float(c))
+        for r, c in zip(retained, recompute, strict=True)
+        if not any(
+            (r2 <= r and c2 < c) or (r2 < r and c2 <= c) for r2, c2 in zip(retained, recompute, strict=True)
+        )
+    }
+    assert not thinned
+    assert list(kept.retained_bytes) == sorted(kept.retained_bytes)
+    assert {
+        (int(r), float(c)) for r, c in zip(kept.retained_bytes, kept.recompute_ms, strict=True)
+    } == expected
+    assert len(kept.ids) == len(expected)

@@ -75,6 +75,8 @@ class GraphDocument(BaseModel):
     optimizer: str
     timing: str = "measured"
     """Where per-node times come from: "measured" or "analytic (<device>)"."""
+    selective_op_overhead_ms: float = Field(default=0.0, ge=0.0)
+    """Time a selective checkpoint policy adds per operator of a region that keeps nodes."""
     static: StaticBytes
     storage_bytes: dict[str, int]
     """Bytes of each activation storage, by name."""
@@ -89,6 +91,7 @@ class GraphDocument(BaseModel):
             capture=self.capture,
             optimizer=self.optimizer,
             timing=self.timing,
+            selective_op_overhead_ms=self.selective_op_overhead_ms,
         )
 
 

@@ -40,6 +40,7 @@ from planner.measurement import (
     tensors_in,
 )
 from planner.profile import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
+from planner.selective_cost import OperatorCounter, measure_selective_op_overhead_ms
 from planner.simulate import simulate, store_everything
 
 __all__ = ["build_activation_graph", "LOSS_NODE", "static_bytes"]
@@ -87,6 +88,7 @@ class _NodeRecord:
     allocated_bytes: int = 0
     forward_flops: int = 0
     moved_bytes: int = 0
+    operator_count: int = 1
     random: bool = False
     stateful: bool = False
     in_place: bool = False
@@ -262,12 +264,17 @@ class _ProfilingInterpreter(fx.Interpreter):
         versions = {id(t): t._version for t in tensors_in((args, kwargs))}
         self.start_node(record)
         counter = FlopCounterMode(display=False) if self.tracker is not None else None
+        operators = OperatorCounter()
         started = time.perf_counter()
-        with counter if counter is not None else nullcontext():
+        with (
+            counter if counter is not None else nullcontext(),
+            operators if counter is not None else nullcontext(),
+        ):
             output = getattr(self, n.op)(n.target, args, kwargs)
         self.forward_ms[n.name] = (time.perf_counter() - started) * 1e3
         if counter is not None:
             record.forward_flops = counter.get_total_flops()
+            record.operator_count = max(1, operators.count)
             record.moved_bytes = _moved_bytes((args, kwargs), output)
         self.finish_node(record, (args, kwargs), output)
         if self.tracker is not None:
@@ -534,6 +541,7 @@ def _to_nodes(
                 allocated_bytes=record.allocated_bytes,
                 forward_flops=record.forward_flops,
                 moved_bytes=record.moved_bytes,
+                operator_count=record.operator_count,
                 random=record.random,
                 stateful=record.stateful,
                 in_place=record.in_place,
@@ -619,9 +627,20 @@ def build_activation_graph(
         capture=captured.path,
         optimizer=optimizer_name,
         timing="measured" if spec is None else f"analytic ({spec.name})",
+        selective_op_overhead_ms=_selective_op_overhead_ms(model, inputs, spec),
     )
     calibrated = _calibrate(profiled, interpreter.records)
     return dataclasses.replace(calibrated, static=static)
+
+
+def _selective_op_overhead_ms(
+    model: torch.nn.Module, inputs: tuple[Any, ...], spec: DeviceSpec | None
+) -> float:
+    """The spec's estimate for analytic times, else measured on the device of the model's tensors."""
+    if spec is not None:
+        return spec.selective_op_overhead_ms
+    tensors = [*model.parameters(), *tensors_in(inputs)]
+    return measure_selective_op_overhead_ms(tensors[0].device if tensors else torch.device("cpu"))
 
 
 def _forbid_replaying_mutated_inputs(interpreter: _ProfilingInterpreter) -> None:

@@ -68,6 +68,8 @@ class Node:
     """FLOPs of the forward as `torch.utils.flop_counter` counts them (matmuls, convolutions)."""
     moved_bytes: int = 0
     """Bytes of the tensors the forward reads and writes: the memory-bound part of its cost."""
+    operator_count: int = 1
+    """Operators the forward dispatches: a selective checkpoint policy calls back once for each."""
     random: bool = False
     stateful: bool = False
     in_place: bool = False
@@ -105,6 +107,9 @@ class ActivationGraph:
     timing: str = "measured"
     """Where per-node times come from: "measured" (profiling steps on the model's device) or
     "analytic (<device>)" (FLOPs and bytes on a roofline, see profile.py)."""
+    selective_op_overhead_ms: float = 0.0
+    """Time a selective checkpoint policy adds per dispatched operator of a region that keeps nodes
+    (forward and replay together; see selective_cost.py)."""
 
     def index_of(self, name: str) -> int:
         """Position of the node called `name` in execution order."""

@@ -36,6 +36,9 @@ class DeviceSpec:
     random_bytes_per_s: float | None = None
     """Rate at which a random operator (dropout) writes its output; None: as fast as memory. A CPU
     draws each random number in software, about ten times slower than it streams memory."""
+    selective_op_overhead_ms: float = 0.025
+    """Host time a selective checkpoint policy adds per operator (its Python callback in forward and
+    replay), as measured on this project's CPU; `selective_cost.py` measures it when times are."""
 
 
 DEVICES: dict[str, DeviceSpec] = {

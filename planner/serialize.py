@@ -26,6 +26,7 @@ def graph_to_dict(graph: ActivationGraph) -> dict[str, Any]:
         "capture": graph.capture,
         "optimizer": graph.optimizer,
         "timing": graph.timing,
+        "selective_op_overhead_ms": graph.selective_op_overhead_ms,
         "static": dataclasses.asdict(graph.static),
         "storage_bytes": dict(graph.storage_bytes),
         "nodes": [
@@ -54,6 +55,7 @@ def graph_from_dict(data: dict[str, Any]) -> ActivationGraph:
         capture=str(data["capture"]),
         optimizer=str(data["optimizer"]),
         timing=str(data.get("timing", "measured")),
+        selective_op_overhead_ms=float(data.get("selective_op_overhead_ms", 0.0)),
     )
 
 

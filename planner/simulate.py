@@ -52,6 +52,7 @@ __all__ = [
     "recompute_trigger",
     "region_inputs",
     "replay_region",
+    "selective_overhead_ms",
     "simulate",
     "storage_sizes",
     "store_everything",
@@ -131,6 +132,7 @@ class Replay:
     points_bytes: tuple[int, ...]
     kept: dict[str, int]
     recompute_ms: float
+    """Forward time of the replayed nodes, plus the selective policy's overhead when the region keeps."""
 
     @property
     def peak_bytes(self) -> int:
@@ -206,7 +208,16 @@ def replay_region(
                 live.add(name, leaves_after(name, index), index)
             recompute_ms += node.forward_ms
         live.finish(index)
+    recompute_ms += selective_overhead_ms(graph, region)
     return Replay(points_bytes=tuple(points), kept=kept, recompute_ms=recompute_ms)
+
+
+def selective_overhead_ms(graph: ActivationGraph, region: Region) -> float:
+    """What running `region` under a selective policy adds (none without keeps; see selective_cost.py)."""
+    if not region.keep:
+        return 0.0
+    operators = sum(node.operator_count for node in graph.nodes[region.start : region.stop])
+    return graph.selective_op_overhead_ms * operators
 
 
 def _bytes(sizes: dict[str, int], names: Iterable[str]) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from planner.ir import Region, RegionPolicy, Schedule
-from planner.simulate import recompute_trigger
+from planner.simulate import recompute_trigger, selective_overhead_ms
 from planner.solvers.chain import Chain, RegionCost, RegionCosts, RegionSummary, keep_effect
 from planner.solvers.dp import CostTable, least_recompute
 
@@ -67,6 +67,8 @@ class _Edge:
     keep_points: dict[int, tuple[int, ...]]
     """Per allowed keep node: the change of each point when it is kept."""
     keep_charged: dict[int, int]
+    selective_ms: float
+    """The selective policy's overhead, paid once any node of the region is kept."""
 
 
 def _load_cp_model() -> Any:
@@ -141,6 +143,9 @@ def _edges(costs: RegionCosts, candidates: list[int], table: CostTable) -> list[
                 cost=cost,
                 keep_points=keep_points,
                 keep_charged=keep_charged,
+                selective_ms=selective_overhead_ms(chain.graph, Region(start, stop, policy, tuple(keeps)))
+                if keeps
+                else 0.0,
             )
         )
     return edges
@@ -165,6 +170,7 @@ def _variants(chain: Chain, edge: _Edge, *, relaxed: bool) -> tuple[RegionSummar
     variants = [RegionSummary(int(base.max()), edge.cost.charged_bytes, edge.cost.recompute_ms)]
     if not edge.keep_points:
         return tuple(variants)
+    keeping_ms = edge.cost.recompute_ms + edge.selective_ms
     nodes = chain.graph.nodes
     order = _keep_order(chain, edge)
     deltas = np.array([edge.keep_points[k] for k in order], dtype=np.int64)
@@ -182,7 +188,7 @@ def _variants(chain: Chain, edge: _Edge, *, relaxed: bool) -> tuple[RegionSummar
             RegionSummary(
                 peak_bytes=int(points[m].max()),
                 charged_bytes=edge.cost.charged_bytes + int(charged_sums[m]),
-                recompute_ms=max(0.0, edge.cost.recompute_ms - float(saved_sums[m])),
+                recompute_ms=max(0.0, keeping_ms - float(saved_sums[m])),
                 keep=() if relaxed else tuple(sorted(order[: m + 1])),
             )
         )
@@ -247,9 +253,9 @@ def ilp_schedule(
     cp_model = _load_cp_model()
     model, use, keep, objective = _model(cp_model, chain, edges, candidates, budget_units)
     if bound_ms > 0:
-        # Our bound, for CP-SAT's search and its gap limit. Each edge and keep of a plan rounds its
-        # time by at most half a unit, so the bound is loosened by one unit for each.
-        slack_units = len(chain.cuts) + len(candidates)
+        # Our bound, for CP-SAT's search and its gap limit. Each edge, keep and selective overhead of
+        # a plan rounds its time by at most half a unit, so the bound is loosened by one unit for each.
+        slack_units = 2 * len(chain.cuts) + len(candidates)
         model.add(objective >= math.floor(bound_ms * TIME_UNITS_PER_MS) - slack_units)
     start_from = greedy.schedule if greedy is not None else hint
     if start_from is not None:
@@ -320,9 +326,19 @@ def _model(
     def time_units(ms: float) -> int:
         return round(ms * TIME_UNITS_PER_MS)
 
+    selective = []
+    for e, edge in enumerate(edges):
+        if edge.keep_points and time_units(edge.selective_ms) > 0:
+            keeping = model.new_bool_var(f"selective{e}")
+            for k in edge.keep_points:
+                model.add(keeping >= keep[k] + use[e] - 1)
+            selective.append(time_units(edge.selective_ms) * keeping)
+
     nodes = chain.graph.nodes
-    objective = sum(time_units(edge.cost.recompute_ms) * use[e] for e, edge in enumerate(edges)) - sum(
-        time_units(nodes[k].forward_ms) * keep[k] for k in candidates
+    objective = (
+        sum(time_units(edge.cost.recompute_ms) * use[e] for e, edge in enumerate(edges))
+        + sum(selective)
+        - sum(time_units(nodes[k].forward_ms) * keep[k] for k in candidates)
     )
     model.minimize(objective)
     return model, use, keep, objective

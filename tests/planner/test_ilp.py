@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import random
 import sys
 from collections.abc import Iterator
@@ -49,10 +51,20 @@ def brute_force_optima(graph: ActivationGraph) -> Iterator[tuple[int, float]]:
         yield budget, min(result.recompute_ms for result in simulated if result.peak_bytes <= budget)
 
 
+def with_selective_overhead(
+    graph: ActivationGraph, rng: random.Random, per_operator_ms: float
+) -> ActivationGraph:
+    """`graph` with 1-3 operators per node and a selective policy costing `per_operator_ms` on each."""
+    nodes = tuple(dataclasses.replace(node, operator_count=rng.randint(1, 3)) for node in graph.nodes)
+    return dataclasses.replace(graph, nodes=nodes, selective_op_overhead_ms=per_operator_ms)
+
+
+@pytest.mark.parametrize("per_operator_ms", [0.0, 0.3])
 @pytest.mark.parametrize("seed", range(8))
-def test_ilp_matches_brute_force_with_keeps(seed: int) -> None:
+def test_ilp_matches_brute_force_with_keeps(seed: int, per_operator_ms: float) -> None:
+    """With the selective policy's overhead as well: the brute force pays it through `simulate`."""
     rng = random.Random(100 + seed)
-    graph = keepable_chain(rng, rng.randint(4, 6))
+    graph = with_selective_overhead(keepable_chain(rng, rng.randint(4, 6)), rng, per_operator_ms)
     for budget, oracle_ms in brute_force_optima(graph):
         schedule = solve(graph, budget_bytes=budget, solver="ilp")
         result = simulate(graph, schedule)
@@ -81,11 +93,12 @@ def test_keep_effect_equals_differencing_region_costs(seed: int) -> None:
             assert charged == kept.charged_bytes - base.charged_bytes
 
 
+@pytest.mark.parametrize("per_operator_ms", [0.0, 0.3])
 @pytest.mark.parametrize("seed", range(4))
-def test_reported_gap_brackets_the_brute_force_optimum(seed: int) -> None:
+def test_reported_gap_brackets_the_brute_force_optimum(seed: int, per_operator_ms: float) -> None:
     """objective * (1 - gap) is a proven lower bound: never above the true optimum."""
     rng = random.Random(200 + seed)
-    graph = keepable_chain(rng, rng.randint(4, 6))
+    graph = with_selective_overhead(keepable_chain(rng, rng.randint(4, 6)), rng, per_operator_ms)
     tables = _tables(graph)
     for budget, oracle_ms in brute_force_optima(graph):
         result = ilp_schedule(
@@ -112,6 +125,20 @@ def test_keeps_on_a_long_stack_beat_dp_with_a_small_proven_gap() -> None:
     assert any(region.keep for region in ilp.regions)
     assert result.recompute_ms < dp_ms
     assert ilp.gap <= 0.01
+
+
+def test_keeps_that_cost_more_than_they_save_are_dropped() -> None:
+    """Priced at 1 ms per operator, the selective policy outweighs any replay a keep saves: ilp
+    plans without keeps itself (a fallback to dp's plan would have no gap), recomputing no more than dp's."""
+    graph = with_selective_overhead(residual_graph(node_count=301, distinct_blocks=3), random.Random(0), 1.0)
+    lowest = lowest_peak(graph)[1].peak_bytes
+    baseline = simulate(graph, store_everything(graph)).peak_bytes
+    budget = (lowest + baseline) // 2
+    ilp = solve(graph, budget_bytes=budget, solver="ilp")
+    dp_ms = simulate(graph, solve(graph, budget_bytes=budget, solver="dp")).recompute_ms
+    assert not any(region.keep for region in ilp.regions)
+    assert not math.isnan(ilp.gap)
+    assert simulate(graph, ilp).recompute_ms <= dp_ms + 1e-9
 
 
 def test_missing_ortools_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,6 +43,17 @@ def test_analytic_times_follow_flops_and_a_faster_device_is_faster() -> None:
     assert planner.Plan.from_json(on_h100.to_json()).graph.timing == "analytic (h100)"
 
 
+def test_operators_are_counted_and_the_selective_overhead_is_measured_or_estimated() -> None:
+    model, inputs = build_model("seed000_mlp")
+    plan = planner.optimize(model, inputs, budget_bytes=2**40)
+    measured = planner.Plan.from_json(plan.to_json()).graph
+    analytic = planner.optimize(model, inputs, budget_bytes=2**40, cost_model="analytic", device="a100").graph
+    # Linear dispatches a transpose and an addmm, ReLU one operator.
+    assert [(node.op, node.operator_count) for node in measured.nodes[:2]] == [("Linear", 2), ("ReLU", 1)]
+    assert 0 < measured.selective_op_overhead_ms == plan.graph.selective_op_overhead_ms < 1
+    assert analytic.selective_op_overhead_ms == DEVICES["a100"].selective_op_overhead_ms
+
+
 @pytest.mark.parametrize("name", ["gpt_tiny", "seed000_mlp"])
 def test_meta_device_plans_match_plans_of_the_real_model(name: str) -> None:
     model, inputs = build_model(name)
@@ -52,6 +63,7 @@ def test_meta_device_plans_match_plans_of_the_real_model(name: str) -> None:
     assert next(meta_model.parameters()).is_meta
     meta = planner.optimize(meta_model, meta_inputs, budget_bytes=2**40, cost_model="analytic", device="h100")
     assert meta.graph.storage_bytes == real.graph.storage_bytes
+    assert [n.operator_count for n in meta.graph.nodes] == [n.operator_count for n in real.graph.nodes]
     assert meta.baseline_peak_bytes == real.baseline_peak_bytes
     assert meta.min_peak_bytes == real.min_peak_bytes
     budget = (real.min_peak_bytes + real.baseline_peak_bytes) // 2

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from synthetic_graphs import MIB, chain_graph
 
-from planner.ir import Phase, Region, RegionPolicy, Schedule
+from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
 from planner.simulate import simulate, store_everything
 
@@ -42,6 +42,27 @@ def test_checkpointing_two_nodes_replays_both_and_can_raise_the_peak() -> None:
     assert result.peak_bytes == int((STATIC_MIB + 2 + 4 + 2.25) * MIB)
     assert result.peak_bytes > simulate(graph, store_everything(graph)).peak_bytes
     assert result.recompute_ms == pytest.approx(2.0)
+
+
+def test_a_region_that_keeps_pays_the_selective_policy_on_each_of_its_operators() -> None:
+    graph = chain_graph([2, 2, 2])
+    priced = dataclasses.replace(
+        graph,
+        nodes=tuple(dataclasses.replace(node, operator_count=3) for node in graph.nodes),
+        selective_op_overhead_ms=0.1,
+    )
+
+    def recompute_ms(of: ActivationGraph, keep: tuple[int, ...]) -> float:
+        regions = (
+            Region(0, 1, RegionPolicy.STORE),
+            Region(1, 3, RegionPolicy.CHECKPOINT, keep),
+            Region(3, 4, RegionPolicy.STORE),
+        )
+        return simulate(of, Schedule(regions=regions, solver="test")).recompute_ms
+
+    assert recompute_ms(priced, ()) == recompute_ms(graph, ()) == pytest.approx(2.0)
+    # Two nodes of three operators each, forward and replay under the policy.
+    assert recompute_ms(priced, (1,)) == pytest.approx(recompute_ms(graph, (1,)) + 0.1 * 6)
 
 
 def test_two_checkpointed_regions_lower_the_peak() -> None:
@@ -88,6 +109,11 @@ def test_invalid_schedules_are_rejected(regions: tuple[Region, ...]) -> None:
 
 def test_graph_and_schedule_round_trip_through_json_form() -> None:
     graph = chain_graph([3, 1, 2])
+    graph = dataclasses.replace(
+        graph,
+        nodes=tuple(dataclasses.replace(node, operator_count=2) for node in graph.nodes),
+        selective_op_overhead_ms=0.02,
+    )
     schedule = Schedule(
         regions=(Region(0, 2, RegionPolicy.CHECKPOINT, (1,)), Region(2, 4, RegionPolicy.STORE)),
         solver="ilp",

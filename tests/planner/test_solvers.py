@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from synthetic_graphs import chain_graph, random_chain
+from synthetic_graphs import MIB, chain_graph, random_chain
 
 from planner.errors import InfeasibleBudget
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulate import simulate, store_everything
 from planner.solvers import SOLVERS, lowest_peak, solve
+from planner.solvers.chain import build_chain
 from planner.solvers.dp import Objective, _Partials, _prune
 
 
@@ -143,3 +145,24 @@ def test_frontier_pruning_keeps_exactly_the_pareto_partials(seed: int) -> None:
         (int(r), float(c)) for r, c in zip(kept.retained_bytes, kept.recompute_ms, strict=True)
     } == expected
     assert len(kept.ids) == len(expected)
+
+
+def test_a_small_mask_read_by_every_layer_leaves_the_cuts_between_layers() -> None:
+    """Like a causal mask at CI size: 1/40 of the largest activation, made first, read by every node.
+    Cuts are still found between the nodes, and the plans they give fit by the simulator's count."""
+    graph = chain_graph([40, 40, 40, 40])
+    mask_bytes = 40 * MIB // 40
+    nodes = list(graph.nodes)
+    nodes[0] = dataclasses.replace(nodes[0], creates=(*nodes[0].creates, "mask"))
+    for index in range(1, 4):
+        node = nodes[index]
+        nodes[index] = dataclasses.replace(node, reads=(*node.reads, "mask"), saves=(*node.saves, "mask"))
+    masked = dataclasses.replace(
+        graph, nodes=tuple(nodes), storage_bytes={**graph.storage_bytes, "mask": mask_bytes}
+    )
+    assert build_chain(masked).cuts == (0, 1, 2, 3, 4, 5)
+    lowest = lowest_peak(masked)[1].peak_bytes
+    baseline = simulate(masked, store_everything(masked)).peak_bytes
+    assert lowest < baseline
+    for budget in (lowest, (lowest + baseline) // 2):
+        assert simulate(masked, solve(masked, budget_bytes=budget, solver="dp")).peak_bytes <= budget

@@ -8,6 +8,7 @@ a plan loaded from JSON has no module until `apply` rewrites a model with it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,12 +48,24 @@ class Plan:
     min_peak_bytes: int
     solve_ms: float = 0.0
     module: torch.nn.Module | None = field(default=None, repr=False)
+    rewriter: Callable[[Schedule], torch.nn.Module] | None = field(default=None, repr=False, compare=False)
+    """Rewrites the planned model for another schedule of `graph` (set by `optimize`; None for a plan
+    loaded from JSON or made by submodules). `replan` uses it."""
     simulation: SimulationResult = field(init=False, repr=False)
     baseline: SimulationResult = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.simulation = simulate(self.graph, self.schedule)
         self.baseline = simulate(self.graph, store_everything(self.graph))
+
+    def replan(
+        self, *, budget_gb: float | None = None, budget_bytes: int | None = None, solver: str = "auto"
+    ) -> Plan:
+        """The same model at another budget or with another solver, from this plan's captured and
+        profiled graph: no new profiling, so both plans' predictions rest on the same node times."""
+        from planner.planning import replan
+
+        return replan(self, budget_gb=budget_gb, budget_bytes=budget_bytes, solver=solver)
 
     @property
     def predicted_peak_bytes(self) -> int:

@@ -24,7 +24,7 @@ from planner.rewrite import fully_sharded_modules, rewrite
 from planner.sharding import Sharding, shard_graph
 from planner.solving import Frontier, pareto_frontier, plan_graph
 
-__all__ = ["fsdp_unit_bytes", "measure", "optimize", "pareto"]
+__all__ = ["fsdp_unit_bytes", "measure", "optimize", "pareto", "replan"]
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +150,24 @@ def optimize(
         graph, world_size=world_size, sharding=placement, unit_parameter_bytes=fsdp_unit_bytes(model)
     )
     plan = plan_graph(graph, budget_bytes=budget, solver=solver)
-    plan.module = rewrite(model, captured.graph_module, graph, plan.schedule, call=captured.call)
+    plan.rewriter = functools.partial(rewrite, model, captured.graph_module, graph, call=captured.call)
+    plan.module = plan.rewriter(plan.schedule)
     return plan
+
+
+def replan(
+    plan: Plan, *, budget_gb: float | None = None, budget_bytes: int | None = None, solver: str = "auto"
+) -> Plan:
+    """`plan.replan`: solve `plan.graph` again and rewrite the same model with the new schedule."""
+    if plan.rewriter is None:
+        raise ValueError(
+            "this plan has no model to rewrite (it was loaded from JSON or planned by submodules); "
+            "call planner.optimize(model, ...) with the new budget or solver instead"
+        )
+    replanned = plan_graph(plan.graph, budget_bytes=_budget_bytes(budget_gb, budget_bytes), solver=solver)
+    replanned.rewriter = plan.rewriter
+    replanned.module = plan.rewriter(replanned.schedule)
+    return replanned
 
 
 FSDP_UNITS_REASON = "sharding='fsdp' plans by submodules, so that fully_shard's units run as module calls"

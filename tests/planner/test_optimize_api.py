@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from zoo_checks import assert_same_step, one_step
 
 import planner
 from planner.errors import format_bytes
@@ -115,3 +116,21 @@ def test_public_functions_stay_functions_after_their_modules_load() -> None:
 
     assert callable(planner.optimize) and callable(planner.measure) and callable(planner.pareto)
     assert planner.optimize.__module__ == "planner.planning"
+
+
+def test_replan_solves_the_same_profile_at_another_budget_and_solver(mlp) -> None:  # type: ignore[no-untyped-def]
+    model, inputs = mlp
+    first = planner.optimize(model, inputs, budget_gb=1, solver="dp")
+    budget = (first.min_peak_bytes + first.baseline_peak_bytes) // 2
+    tighter = first.replan(budget_bytes=budget, solver="ilp")
+    assert tighter.graph is first.graph
+    assert (
+        tighter.schedule.solver == "ilp"
+        and tighter.predicted_peak_bytes <= budget < first.predicted_peak_bytes
+    )
+    assert tighter.module is not None and tighter.schedule.checkpointed
+    assert_same_step(one_step(model, inputs), one_step(tighter.module, inputs))
+    with pytest.raises(planner.InfeasibleBudget):
+        first.replan(budget_bytes=first.min_peak_bytes - 1)
+    with pytest.raises(ValueError, match="no model to rewrite"):
+        planner.Plan.from_json(first.to_json()).replan(budget_gb=1)

@@ -96,3 +96,15 @@ def keepable_chain(rng: random.Random, length: int) -> ActivationGraph:
             dataclasses.replace(node, allocated_bytes=created + extra, forward_workspace_bytes=extra)
         )
     return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
+def with_selective_price(
+    graph: ActivationGraph, operator_counts: list[int], per_operator_ms: float
+) -> ActivationGraph:
+    """`graph` whose nodes dispatch `operator_counts` operators, each costing a selective policy
+    `per_operator_ms` (see planner/selective_cost.py)."""
+    nodes = tuple(
+        dataclasses.replace(node, operator_count=count)
+        for node, count in zip(graph.nodes, operator_counts, strict=True)
+    )
+    return dataclasses.replace(graph, nodes=nodes, selective_op_overhead_ms=per_operator_ms)

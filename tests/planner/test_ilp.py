@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import random
@@ -10,7 +9,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from synthetic_graphs import keepable_chain
+from synthetic_graphs import keepable_chain, with_selective_price
 from test_solvers import all_schedules
 
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
@@ -55,8 +54,7 @@ def with_selective_overhead(
     graph: ActivationGraph, rng: random.Random, per_operator_ms: float
 ) -> ActivationGraph:
     """`graph` with 1-3 operators per node and a selective policy costing `per_operator_ms` on each."""
-    nodes = tuple(dataclasses.replace(node, operator_count=rng.randint(1, 3)) for node in graph.nodes)
-    return dataclasses.replace(graph, nodes=nodes, selective_op_overhead_ms=per_operator_ms)
+    return with_selective_price(graph, [rng.randint(1, 3) for _ in graph.nodes], per_operator_ms)
 
 
 @pytest.mark.parametrize("per_operator_ms", [0.0, 0.3])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from synthetic_graphs import MIB, chain_graph
+from synthetic_graphs import MIB, chain_graph, with_selective_price
 
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
@@ -46,11 +46,7 @@ def test_checkpointing_two_nodes_replays_both_and_can_raise_the_peak() -> None:
 
 def test_a_region_that_keeps_pays_the_selective_policy_on_each_of_its_operators() -> None:
     graph = chain_graph([2, 2, 2])
-    priced = dataclasses.replace(
-        graph,
-        nodes=tuple(dataclasses.replace(node, operator_count=3) for node in graph.nodes),
-        selective_op_overhead_ms=0.1,
-    )
+    priced = with_selective_price(graph, [3] * len(graph.nodes), 0.1)
 
     def recompute_ms(of: ActivationGraph, keep: tuple[int, ...]) -> float:
         regions = (
@@ -108,12 +104,7 @@ def test_invalid_schedules_are_rejected(regions: tuple[Region, ...]) -> None:
 
 
 def test_graph_and_schedule_round_trip_through_json_form() -> None:
-    graph = chain_graph([3, 1, 2])
-    graph = dataclasses.replace(
-        graph,
-        nodes=tuple(dataclasses.replace(node, operator_count=2) for node in graph.nodes),
-        selective_op_overhead_ms=0.02,
-    )
+    graph = with_selective_price(chain_graph([3, 1, 2]), [2, 1, 3, 1], 0.02)
     schedule = Schedule(
         regions=(Region(0, 2, RegionPolicy.CHECKPOINT, (1,)), Region(2, 4, RegionPolicy.STORE)),
         solver="ilp",

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from synthetic_graphs import MIB, chain_graph, static_bytes
+from synthetic_graphs import MIB, chain_graph, static_bytes, with_selective_price
 
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
@@ -275,3 +275,18 @@ def test_selective_keeps_are_counted_and_flagged_in_the_snippet() -> None:
     assert (
         "# NOTE: the plan keeps the outputs of n2 (a selective checkpoint policy)" in plan.to_torch_snippet()
     )
+
+
+def test_the_selective_policys_share_of_the_recompute_is_named() -> None:
+    graph = with_selective_price(chain_graph(SIZES_MIB), [2] * (len(SIZES_MIB) + 1), 0.05)
+    schedule = schedule_of(graph, (1, 4))
+    kept = tuple(
+        dataclasses.replace(region, keep=(2,)) if region.policy is RegionPolicy.CHECKPOINT else region
+        for region in schedule.regions
+    )
+    # Three nodes of two operators each, at 0.05 ms an operator.
+    assert (
+        ", 0.3 ms of it the selective policy's callbacks"
+        in plan_of(graph, dataclasses.replace(schedule, regions=kept)).summary()
+    )
+    assert "selective policy's callbacks" not in plan_of(graph, schedule).summary()

@@ -17,8 +17,6 @@ each node, so what remains is what no schedule changes.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -31,25 +29,21 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.capture import Capture, has_hooks
-from planner.ir import ActivationGraph, Node, Phase, StaticBytes
+from planner.ir import ActivationGraph, Node, Phase
 from planner.measurement import (
     LiveStorageTracker,
     OptimizerSpec,
     end_autocast_forward,
-    make_optimizer,
     tensors_in,
 )
 from planner.profile import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
 from planner.selective_cost import OperatorCounter, measure_selective_op_overhead_ms
 from planner.simulate import simulate, store_everything
+from planner.static_memory import constant_bytes, extra_static_tensors, optimizer_name, static_bytes
 
-__all__ = ["build_activation_graph", "LOSS_NODE", "static_bytes"]
+__all__ = ["build_activation_graph", "LOSS_NODE"]
 
 LOSS_NODE = "loss"
-META_PROBE_ELEMENTS = 2**16
-"""Elements of the CPU stand-in for a meta parameter when probing the optimizer."""
-OPTIMIZER_PROBES = 3
-"""Largest parameters whose optimizer step is probed for temporaries."""
 TIMING_REPEATS = 3
 """Timed profiling steps after the measuring one; per-node times are their minimums. Timing noise on a
 shared machine only ever adds time (preemption, cache misses from other jobs), so the fastest run is the
@@ -402,121 +396,6 @@ def _profile_step(
     return interpreter, clock
 
 
-def _unique_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
-    total = 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if id(storage) not in seen:
-            seen.add(id(storage))
-            total += storage.nbytes()
-    return total
-
-
-def _optimizer_bytes(spec: OptimizerSpec, parameters: list[torch.nn.Parameter]) -> tuple[int, int]:
-    """(state bytes, step workspace bytes) of the optimizer, probed on copies of a few parameters.
-
-    State is probed once per parameter shape. Workspace is probed on the largest parameters, each with
-    the parameter before it: a for-loop optimizer still holds the previous parameter's temporaries
-    (Adam's `denom`) while it works on the next one.
-    """
-    if spec is None or not parameters:
-        return 0, 0
-    state_by_shape: dict[tuple[tuple[int, ...], torch.dtype, torch.device], int] = {}
-    for parameter in parameters:
-        key = (tuple(parameter.shape), parameter.dtype, parameter.device)
-        if key not in state_by_shape:
-            state_by_shape[key] = _probe_optimizer(spec, [parameter])[0]
-    state_bytes = sum(state_by_shape[(tuple(p.shape), p.dtype, p.device)] for p in parameters)
-    order = sorted(range(len(parameters)), key=lambda i: parameters[i].numel(), reverse=True)
-    workspace_bytes = max(
-        _probe_optimizer(spec, parameters[max(0, i - 1) : i + 1])[1] for i in order[:OPTIMIZER_PROBES]
-    )
-    return state_bytes, workspace_bytes
-
-
-def _probe_optimizer(spec: OptimizerSpec, parameters: list[torch.nn.Parameter]) -> tuple[int, int]:
-    """(state bytes, peak temporaries) of two optimizer steps over zero-filled copies of `parameters`.
-
-    Parameters on the meta device are probed on small CPU copies and the result scaled by size:
-    optimizer state and temporaries are elementwise, so they grow linearly with the parameter.
-    """
-    if any(p.is_meta for p in parameters):
-        small = [
-            torch.nn.Parameter(torch.zeros(min(p.numel(), META_PROBE_ELEMENTS), dtype=p.dtype))
-            for p in parameters
-        ]
-        state_bytes, workspace_bytes = _probe_optimizer(spec, small)
-        scale = sum(p.numel() for p in parameters) / sum(p.numel() for p in small)
-        return math.ceil(state_bytes * scale), math.ceil(workspace_bytes * scale)
-    probes = [torch.nn.Parameter(torch.zeros_like(p)) for p in parameters]
-    for probe in probes:
-        probe.grad = torch.zeros_like(probe)
-    if isinstance(spec, torch.optim.Optimizer):
-        accepted = inspect.signature(type(spec).__init__).parameters
-        optimizer = type(spec)(probes, **{k: v for k, v in spec.defaults.items() if k in accepted})
-    else:
-        built = make_optimizer(spec, probes)
-        assert built is not None
-        optimizer = built
-    tracker = LiveStorageTracker()
-    tracker.track([tensor for probe in probes for tensor in (probe, probe.grad) if tensor is not None])
-    with tracker:
-        optimizer.step()
-        optimizer.step()
-    state = [
-        value
-        for probe in probes
-        for value in optimizer.state[probe].values()
-        if isinstance(value, torch.Tensor)
-    ]
-    state_bytes = _unique_bytes(state, set())
-    base_bytes = sum(2 * probe.untyped_storage().nbytes() for probe in probes) + state_bytes
-    return state_bytes, max(0, tracker.peak_bytes - base_bytes)
-
-
-def _static_bytes(
-    model: torch.nn.Module,
-    inputs: tuple[Any, ...],
-    gradient_bytes: int,
-    optimizer: OptimizerSpec,
-) -> tuple[StaticBytes, set[int]]:
-    seen: set[int] = set()
-    parameter_bytes = _unique_bytes(list(model.parameters()), seen)
-    buffer_bytes = _unique_bytes(list(model.buffers()), seen)
-    input_bytes = _unique_bytes(tensors_in(inputs), seen)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    state_bytes, step_workspace_bytes = _optimizer_bytes(optimizer, trainable)
-    static = StaticBytes(
-        parameter_bytes=parameter_bytes,
-        buffer_bytes=buffer_bytes,
-        input_bytes=input_bytes,
-        gradient_bytes=gradient_bytes,
-        optimizer_state_bytes=state_bytes,
-        optimizer_step_workspace_bytes=step_workspace_bytes,
-    )
-    return static, seen
-
-
-def static_bytes(
-    model: torch.nn.Module, inputs: Any, *, gradient_bytes: int, optimizer: OptimizerSpec
-) -> StaticBytes:
-    """Memory no schedule changes, for a profiler other than this module's (module_level.py)."""
-    return _static_bytes(model, tuple(tensors_in(inputs)), gradient_bytes, optimizer)[0]
-
-
-def _extra_static_tensors(graph_module: fx.GraphModule) -> list[torch.Tensor]:
-    """Tensor attributes fetched by get_attr that are neither parameters nor buffers (constants)."""
-    found = []
-    for node in graph_module.graph.nodes:
-        if node.op == "get_attr":
-            value: Any = graph_module
-            for part in str(node.target).split("."):
-                value = getattr(value, part)
-            if isinstance(value, torch.Tensor):
-                found.append(value)
-    return found
-
-
 def _to_nodes(
     interpreter: _ProfilingInterpreter, forward_ms: dict[str, float], backward_ms: dict[str, float]
 ) -> list[Node]:
@@ -598,7 +477,7 @@ def build_activation_graph(
     with _preserved_state(model):
         tracker = _ProfilingTracker()
         static_tensors = [*model.parameters(), *model.buffers(), *tensors_in(inputs)]
-        static_tensors += _extra_static_tensors(graph_module)
+        static_tensors += extra_static_tensors(graph_module)
         tracker.track(static_tensors)
         tracker.static_keys = {id(t.untyped_storage()) for t in static_tensors}
         with tracker:
@@ -615,17 +494,17 @@ def build_activation_graph(
         }
         backward_ms = {name: BACKWARD_FACTOR * time_ms for name, time_ms in forward_ms.items()}
     gradient_bytes = sum(record.parameter_gradient_bytes for record in interpreter.records.values())
-    static, _ = _static_bytes(model, inputs, gradient_bytes, optimizer)
+    static = static_bytes(model, inputs, gradient_bytes=gradient_bytes, optimizer=optimizer)
     static = dataclasses.replace(
-        static, buffer_bytes=static.buffer_bytes + _constant_bytes(graph_module, model)
+        static, buffer_bytes=static.buffer_bytes + constant_bytes(graph_module, model)
     )
-    optimizer_name = _optimizer_name(optimizer)
+    optimizer_label = optimizer_name(optimizer)
     profiled = ActivationGraph(
         nodes=tuple(_to_nodes(interpreter, forward_ms, backward_ms)),
         storage_bytes=dict(tracker.storage_bytes),
         static=dataclasses.replace(static, optimizer_state_bytes=0),
         capture=captured.path,
-        optimizer=optimizer_name,
+        optimizer=optimizer_label,
         timing="measured" if spec is None else f"analytic ({spec.name})",
         selective_op_overhead_ms=_selective_op_overhead_ms(model, inputs, spec),
     )
@@ -698,16 +577,3 @@ def _measured_times(
     forward_ms = {name: min(run.get(name, 0.0) for run in forward_runs) for name in order}
     backward_ms = {name: min(run.get(name, 0.0) for run in backward_runs) for name in order}
     return forward_ms, backward_ms
-
-
-def _constant_bytes(graph_module: fx.GraphModule, model: torch.nn.Module) -> int:
-    seen = {id(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
-    return _unique_bytes(_extra_static_tensors(graph_module), seen)
-
-
-def _optimizer_name(optimizer: OptimizerSpec) -> str:
-    if optimizer is None:
-        return "none"
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return type(optimizer).__name__
-    return optimizer

@@ -43,11 +43,11 @@ import torch
 from torch import nn
 
 from planner.capture import has_hooks
-from planner.graph_build import static_bytes
 from planner.ir import ActivationGraph, Node, Phase, Schedule
 from planner.measurement import LiveStorageTracker, OptimizerSpec, end_autocast_forward, tensors_in
 from planner.rewrite import CheckpointedUnit
 from planner.simulate import simulate, store_everything
+from planner.static_memory import static_bytes
 
 __all__ = ["MODULE_LEVEL", "UnitProfile", "candidate_units", "profile_units", "rewrite_units"]
 

@@ -10,7 +10,7 @@ carrying the lowest peak any known schedule reaches. Registered solvers:
 - `dp`: least recompute over region boundaries at the graph's cuts (solvers/dp.py);
 - `ilp`: CP-SAT over the same boundaries plus selective keeps inside checkpointed regions
   (solvers/ilp.py), warm-started from `dp` and never returning a worse plan than `dp`'s;
-- `auto`: `ilp` while the model is small enough to solve in seconds, else `dp`.
+- `auto`: `ilp` with a 1 s deterministic-time budget while the model is small enough, else `dp`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule, Simulati
 from planner.simulate import simulate, store_everything
 from planner.solvers.chain import Chain, RegionCosts, build_chain
 from planner.solvers.dp import CostTable, dp_schedule, min_peak_schedule, region_costs, tabulate
-from planner.solvers.ilp import ilp_schedule
+from planner.solvers.ilp import DETERMINISTIC_SECONDS, ilp_schedule
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,10 @@ __all__ = ["SOLVERS", "Solver", "chen_schedule", "lowest_peak", "solve"]
 
 Solver = Callable[..., Schedule]
 ILP_TIME_LIMIT_S = 10.0
+AUTO_ILP_DETERMINISTIC_S = 1.0
+"""CP-SAT's deterministic-time budget under `auto` (explicit `ilp`: DETERMINISTIC_SECONDS). Where the
+dp bound does not prove the plan optimal (many identical layers), CP-SAT's last seconds buy a fraction
+of a percent of recompute; `auto` answers in about a second instead."""
 AUTO_ILP_MAX_CUTS = 20
 AUTO_ILP_MAX_NODES = 2000
 """Beyond these `auto` uses `dp`: the ILP's region table grows with cuts squared times region length."""
@@ -137,7 +141,9 @@ def solve_dp(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
     raise _infeasible(graph, budget_bytes)
 
 
-def solve_ilp(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
+def solve_ilp(
+    graph: ActivationGraph, *, budget_bytes: int, deterministic_time_s: float = DETERMINISTIC_SECONDS
+) -> Schedule:
     """CP-SAT with selective keeps, warm-started from `dp`; never worse than `dp`'s plan."""
     dp_plan = solve_dp(graph, budget_bytes=budget_bytes)
     dp_ms = simulate(graph, dp_plan).recompute_ms
@@ -148,6 +154,7 @@ def solve_ilp(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
         activation_budget_bytes=budget_bytes - graph.static.resident_bytes,
         hint=dp_plan,
         time_limit_s=ILP_TIME_LIMIT_S,
+        deterministic_time_s=deterministic_time_s,
     )
     log.info(
         "ilp solved in %.2f s: %s", time.perf_counter() - started, "no plan" if result is None else result
@@ -169,7 +176,7 @@ def solve_ilp(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
 def solve_auto(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
     """`ilp` while its model stays small (cuts), else `dp`."""
     if len(_tables(graph).chain.cuts) <= AUTO_ILP_MAX_CUTS and len(graph.nodes) <= AUTO_ILP_MAX_NODES:
-        return solve_ilp(graph, budget_bytes=budget_bytes)
+        return solve_ilp(graph, budget_bytes=budget_bytes, deterministic_time_s=AUTO_ILP_DETERMINISTIC_S)
     return solve_dp(graph, budget_bytes=budget_bytes)
 
 

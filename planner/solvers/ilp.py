@@ -223,6 +223,7 @@ def ilp_schedule(
     activation_budget_bytes: float,
     hint: Schedule | None,
     time_limit_s: float,
+    deterministic_time_s: float = DETERMINISTIC_SECONDS,
     seed: int = 0,
 ) -> IlpResult | None:
     """Least-recompute schedule with keeps over `table`'s regions; None when no plan fits.
@@ -264,7 +265,7 @@ def ilp_schedule(
     solver = cp_model.CpSolver()
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = 1
-    solver.parameters.max_deterministic_time = DETERMINISTIC_SECONDS
+    solver.parameters.max_deterministic_time = deterministic_time_s
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.relative_gap_limit = RELATIVE_GAP_LIMIT
     status = solver.solve(model, _stop_within_gap(cp_model, bound_units) if bound_ms > 0 else None)

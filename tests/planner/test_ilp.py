@@ -7,16 +7,18 @@ import math
 import random
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from synthetic_graphs import keepable_chain, with_selective_price
 from test_solvers import all_schedules
 
+import planner.solvers as planner_solvers
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulate import recompute_trigger, simulate, store_everything
 from planner.solvers import _tables, lowest_peak, solve
 from planner.solvers.chain import keep_effect, region_cost
-from planner.solvers.ilp import _allowed_keeps, _load_cp_model, ilp_schedule, keepable
+from planner.solvers.ilp import DETERMINISTIC_SECONDS, _allowed_keeps, _load_cp_model, ilp_schedule, keepable
 from planner.synthetic import residual_graph
 
 
@@ -143,3 +145,22 @@ def test_missing_ortools_names_the_install_command(monkeypatch: pytest.MonkeyPat
     monkeypatch.setitem(sys.modules, "ortools.sat.python.cp_model", None)
     with pytest.raises(ImportError, match=r"pip install 'ortools"):
         _load_cp_model()
+
+
+def test_auto_gives_cp_sat_a_shorter_deterministic_budget_than_ilp(monkeypatch: pytest.MonkeyPatch) -> None:
+    budgets: list[float] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        budgets.append(kwargs["deterministic_time_s"])
+        return ilp_schedule(*args, **kwargs)
+
+    monkeypatch.setattr(planner_solvers, "ilp_schedule", recording)
+    graph = keepable_chain(random.Random(7), 6)
+    budget = (lowest_peak(graph)[1].peak_bytes + simulate(graph, store_everything(graph)).peak_bytes) // 2
+    auto = solve(graph, budget_bytes=budget, solver="auto")
+    solve(graph, budget_bytes=budget, solver="ilp")
+    assert budgets == [planner_solvers.AUTO_ILP_DETERMINISTIC_S, DETERMINISTIC_SECONDS]
+    assert (
+        simulate(graph, auto).recompute_ms
+        <= simulate(graph, solve(graph, budget_bytes=budget, solver="dp")).recompute_ms
+    )

@@ -323,7 +323,7 @@ def _region_rows(plan: Plan) -> list[str]:
 def _selective_note(plan: Plan) -> str:
     """How much of the recompute is the selective policy's own cost, when any region keeps nodes."""
     policy_ms = sum(selective_overhead_ms(plan.graph, region) for region in plan.schedule.checkpointed)
-    return f", {policy_ms:.1f} ms of it the selective policy's callbacks" if policy_ms > 0 else ""
+    return f"; {policy_ms:.1f} ms of it the selective policy's callbacks" if policy_ms > 0 else ""
 
 
 def render_summary(plan: Plan) -> str:
@@ -345,7 +345,7 @@ def render_summary(plan: Plan) -> str:
         f"  {'predicted saving':<32}{format_bytes(saving_bytes):>12}  "
         f"({saving_bytes / plan.baseline_peak_bytes:.1%} of no checkpointing)",
         f"  {'predicted overhead':<32}{plan.predicted_overhead:>12.1%}  "
-        f"(recompute {result.recompute_ms:.1f} ms{_selective_note(plan)} of a {result.step_ms:.1f} ms step)",
+        f"(recompute {result.recompute_ms:.1f} ms of a {result.step_ms:.1f} ms step{_selective_note(plan)})",
         f"  peak set in: {describe_peak(plan.graph, plan.schedule, result)}",
         f"  without checkpointing: {describe_peak(plan.graph, store_everything(plan.graph), baseline)}",
         *_breakdown_rows(plan),

@@ -286,7 +286,7 @@ def test_the_selective_policys_share_of_the_recompute_is_named() -> None:
     )
     # Three nodes of two operators each, at 0.05 ms an operator.
     assert (
-        ", 0.3 ms of it the selective policy's callbacks"
+        "step; 0.3 ms of it the selective policy's callbacks)"
         in plan_of(graph, dataclasses.replace(schedule, regions=kept)).summary()
     )
     assert "selective policy's callbacks" not in plan_of(graph, schedule).summary()

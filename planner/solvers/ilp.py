@@ -143,9 +143,7 @@ def _edges(costs: RegionCosts, candidates: list[int], table: CostTable) -> list[
                 cost=cost,
                 keep_points=keep_points,
                 keep_charged=keep_charged,
-                selective_ms=selective_overhead_ms(chain.graph, Region(start, stop, policy, tuple(keeps)))
-                if keeps
-                else 0.0,
+                selective_ms=selective_overhead_ms(chain.graph, Region(start, stop, policy, tuple(keeps))),
             )
         )
     return edges

@@ -7,8 +7,9 @@ carrying the lowest peak any known schedule reaches. Registered solvers:
 
 - `none`: no checkpointing (the baseline every plan is compared with);
 - `chen`: sqrt(n) equal segments, all but the last checkpointed (what `checkpoint_sequential` does);
-- `dp`: least recompute over region boundaries at the graph's cuts (solvers/dp.py);
-- `ilp`: CP-SAT over the same boundaries plus selective keeps inside checkpointed regions
+- `dp`: least recompute over regions between candidate boundaries: every module call and every cut,
+  with whatever tensors cross them (solvers/chain.py, solvers/dp.py);
+- `ilp`: CP-SAT over the same regions plus selective keeps inside checkpointed regions
   (solvers/ilp.py), warm-started from `dp` and never returning a worse plan than `dp`'s;
 - `auto`: `ilp` with a 1 s deterministic-time budget while the model is small enough, else `dp`.
 """
@@ -39,9 +40,9 @@ AUTO_ILP_DETERMINISTIC_S = 1.0
 """CP-SAT's deterministic-time budget under `auto` (explicit `ilp`: DETERMINISTIC_SECONDS). Where the
 dp bound does not prove the plan optimal (many identical layers), CP-SAT's last seconds buy a fraction
 of a percent of recompute; `auto` answers in about a second instead."""
-AUTO_ILP_MAX_CUTS = 20
+AUTO_ILP_MAX_TRANSITIONS = 400
 AUTO_ILP_MAX_NODES = 2000
-"""Beyond these `auto` uses `dp`: the ILP's region table grows with cuts squared times region length."""
+"""Beyond these `auto` uses `dp`: the ILP has a constraint per point of every transition with keeps."""
 MAX_TIGHTENING = 6
 """Times `dp` re-solves with a lower limit when the simulator finds its plan over budget."""
 
@@ -70,9 +71,8 @@ def _tables(graph: ActivationGraph) -> _Tables:
 
 
 def chen_schedule(graph: ActivationGraph) -> Schedule:
-    """sqrt(n) segments of about equal node count at the graph's cuts; all but the last checkpointed."""
-    cuts = _tables(graph).chain.cuts
-    inner = cuts[1:-1]
+    """sqrt(n) segments of about equal node count at candidate boundaries; all but the last checkpointed."""
+    inner = _tables(graph).chain.boundaries[1:-1]
     segments = max(1, round(math.sqrt(len(inner) + 1)))
     total = len(graph.nodes)
     chosen = sorted(
@@ -174,8 +174,9 @@ def solve_ilp(
 
 
 def solve_auto(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
-    """`ilp` while its model stays small (cuts), else `dp`."""
-    if len(_tables(graph).chain.cuts) <= AUTO_ILP_MAX_CUTS and len(graph.nodes) <= AUTO_ILP_MAX_NODES:
+    """`ilp` while its model stays small (transitions), else `dp`."""
+    transitions = sum(len(ts) for ts in _tables(graph).table.transitions.values())
+    if transitions <= AUTO_ILP_MAX_TRANSITIONS and len(graph.nodes) <= AUTO_ILP_MAX_NODES:
         return solve_ilp(graph, budget_bytes=budget_bytes, deterministic_time_s=AUTO_ILP_DETERMINISTIC_S)
     return solve_dp(graph, budget_bytes=budget_bytes)
 

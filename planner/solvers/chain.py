@@ -1,25 +1,46 @@
-"""The chain view of an activation graph that the region solvers search over.
+"""The boundary view of an activation graph that the region solvers search over.
 
-A *cut* is a position between two nodes where every activation that crosses it was made by the node
-just before it. At a cut the graph is a chain: a region that starts there depends on earlier regions
-only through those crossing storages. Transformer blocks meet at cuts (the residual stream alone
-crosses); positions inside a block, where the residual and the branch both cross, are not cuts.
+A schedule tiles the nodes (in execution order) into regions. Where a region may start is a choice of
+plan space, not a property of the graph: non-reentrant checkpointing keeps whatever tensors enter a
+region, so a region is executable whatever crosses its boundaries (skip connections, a DenseNet's
+feature list, an encoder's output read by every decoder layer, masks). The candidate boundaries are
 
-For a region [start, stop) between two cuts under a policy, `region_cost` returns:
+- every position where a call of a *container* starts or ends, at every depth of the module tree. A
+  container is a module some node runs inside of (a block, an attention, an encoder, a ModuleList);
+  leaf modules (a Linear, a norm) are single nodes and add no boundary. So every call of a block is a
+  candidate region, and checkpointing every block by hand is a schedule of the space; and
+- every *cut*: a position where only the previous node's outputs cross (crossing storages smaller than
+  `NEGLIGIBLE_FRACTION` of the largest activation aside), the boundaries of a chain such as a
+  Sequential of leaf modules.
+
+Regions are listed along *ladders*: the boundaries of depth <= d for each depth d of the module tree,
+plus a thinned copy of any ladder longer than `LADDER_POINTS`. A checkpointed region runs between two
+points of one ladder at most `MAX_REGION_SEGMENTS` steps apart: blocks i..j of a ModuleList, a whole
+encoder, one attention, or a long run of a chain's cuts. Stored regions span one step between
+neighbouring boundaries (a stored run costs what its steps cost one by one).
+
+NOTE [held storages]: what a region costs depends on which of the storages crossing its start are
+already *held* (retained until backward) by earlier regions: a stored node that saved it, or a
+checkpointed region that took it as an input. Those are counted once, in the bytes earlier regions
+retain; the others are the region's own. A crossing storage the region does not read (a U-Net skip
+passing by) is live through the region's forward and, unless held, not in its backward. A solver's
+state at a boundary is therefore (position, the crossing storages held so far), and region costs are
+exact with respect to the simulator (simulate.py) for every state: the retained bytes before a region
+plus each of its points is the simulated live activation memory at that moment (a test checks).
+
+For a region [start, stop) under a policy, entered with `held_in`, `region_cost` returns:
 
 - `charged_bytes`: activation bytes the region adds to what is retained until backward;
-- `peak_bytes`: the region's highest memory on top of what earlier regions retain (forward, its own
-  backward and, when checkpointed, its replay), including parameter gradients and measured residuals;
-- `recompute_ms`: forward time replayed in backward.
-
-These follow the simulator's rules (simulate.py) exactly when cuts are exact. Crossing storages smaller
-than `NEGLIGIBLE_FRACTION` of the largest activation are ignored when finding cuts, so that a small
-long-lived tensor (position ids, an attention mask or rotary table read by every layer) does not remove
-every cut between layers; the simulator still counts them, and the solvers check their result with it.
+- `points_bytes`: the region's live bytes at each moment (forward nodes, its replay when checkpointed,
+  its backward nodes) on top of what earlier regions retain, including parameter gradients and
+  measured residuals;
+- `recompute_ms`: forward time replayed in backward;
+- `held_out`: the storages crossing `stop` that are held after the region.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
@@ -36,14 +57,32 @@ from planner.simulate import (
     storage_sizes,
 )
 
-__all__ = ["Chain", "RegionCost", "RegionCosts", "RegionSummary", "build_chain", "region_cost"]
+__all__ = [
+    "Chain",
+    "RegionCost",
+    "RegionCosts",
+    "RegionSummary",
+    "State",
+    "boundary_depths",
+    "build_chain",
+    "keep_effect",
+    "region_cost",
+]
 
 NEGLIGIBLE_FRACTION = 1 / 32
 """A 4 x 48-token causal mask is 1/43 of a small GPT-2's largest activation (its attention scores);
-at 1/64 it removed every cut between layers and the lowest plan checkpointed both layers as one
-region, 13 % above per-layer checkpointing. At training sizes masks are far smaller than this."""
-MAX_CUTS = 96
-"""More cuts than this are thinned evenly: region costs are O(cuts^2 * nodes) to tabulate."""
+at 1/64 it removed every cut between layers. Only where cuts are found: region costs count every
+storage exactly (NOTE [held storages])."""
+MAX_REGION_SEGMENTS = 16
+"""Longest checkpointed region, in steps of its ladder. The lowest peaks come from regions of about
+sqrt(ladder length) steps; on synthetic stacks of 200-2,000 nodes a limit of 24 found plans within
+0.3 % of this one's recompute, at twice the tabulation time."""
+LADDER_POINTS = 96
+"""A ladder with more points than this also gets an evenly thinned copy of this many points, so that
+long chains still have regions of many blocks (sqrt of 500 blocks is 22, beyond 16 steps)."""
+
+State = tuple[int, frozenset[str]]
+"""(boundary position, storages crossing it that earlier regions hold): see NOTE [held storages]."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +90,7 @@ class RegionCost:
     charged_bytes: int
     points_bytes: tuple[int, ...]
     recompute_ms: float
+    held_out: frozenset[str] = frozenset()
 
     @cached_property
     def peak_bytes(self) -> int:
@@ -59,15 +99,37 @@ class RegionCost:
 
 @dataclass(frozen=True)
 class Chain:
-    """Cut positions (0 and len(nodes) included) and per-node facts the region costs need."""
+    """Candidate boundaries (0 and len(nodes) included), their ladders, and per-node facts."""
 
     graph: ActivationGraph
-    cuts: tuple[int, ...]
+    boundaries: tuple[int, ...]
+    ladders: tuple[tuple[int, ...], ...]
+    """Sorted subsets of `boundaries`; checkpointed regions run between two points of one ladder."""
     producer: dict[str, int]
     last_read: dict[str, int]
+    last_use: dict[str, int]
+    """Last node that reads or saves each storage (its producer if none does)."""
+    crossing: dict[int, frozenset[str]]
+    """Per boundary: storages made before it and read or saved at or after it."""
     gradient_bytes_from: tuple[int, ...]
     """Parameter-gradient bytes alive during backward of node i (produced by nodes i..n-1)."""
     sizes: dict[str, int]
+
+    @cached_property
+    def checkpoint_stops(self) -> dict[int, tuple[int, ...]]:
+        """Per boundary: where a checkpointed region starting there may stop (ladder reach)."""
+        stops: dict[int, set[int]] = {start: set() for start in self.boundaries}
+        for ladder in self.ladders:
+            for i, start in enumerate(ladder[:-1]):
+                stops[start].update(ladder[i + 1 : i + 1 + MAX_REGION_SEGMENTS])
+        following = dict(zip(self.boundaries[:-1], self.boundaries[1:], strict=True))
+        for start, stop in following.items():
+            stops[start].add(stop)
+        return {start: tuple(sorted(ends)) for start, ends in stops.items()}
+
+    @cached_property
+    def next_boundary(self) -> dict[int, int]:
+        return dict(zip(self.boundaries[:-1], self.boundaries[1:], strict=True))
 
 
 def _producers(graph: ActivationGraph) -> dict[str, int]:
@@ -100,18 +162,75 @@ def _exact_cuts(graph: ActivationGraph, producer: dict[str, int], last_use: dict
     return [position for position in range(1, len(graph.nodes)) if not blocked[position]]
 
 
-def _thin(cuts: list[int], limit: int) -> list[int]:
-    if len(cuts) <= limit:
-        return cuts
-    step = len(cuts) / limit
-    return sorted({cuts[int(i * step)] for i in range(limit)})
+def _components(path: str) -> tuple[str, ...]:
+    return tuple(path.split(".")) if path else ()
+
+
+def _common_depth(left: tuple[str, ...], right: tuple[str, ...]) -> int:
+    depth = 0
+    for a, b in zip(left, right, strict=False):
+        if a != b:
+            break
+        depth += 1
+    return depth
+
+
+def boundary_depths(graph: ActivationGraph) -> dict[int, int]:
+    """Positions where a container call starts or ends -> the depth of the shallowest such container.
+
+    Containers are the proper prefixes of nodes' module paths ("layers.3" of "layers.3.mlp.fc"); the
+    root has depth 0. Between two nodes whose paths first differ at component k, the calls of the
+    containers at depth k + 1 on either side change.
+    """
+    paths = [_components(node.module_path) for node in graph.nodes]
+    containers = {path[:length] for path in paths for length in range(len(path))}
+    depths = {0: 0, len(graph.nodes): 0}
+    for position in range(1, len(graph.nodes)):
+        left, right = paths[position - 1], paths[position]
+        common = _common_depth(left, right)
+        if left[: common + 1] in containers and len(left) > common or (
+            right[: common + 1] in containers and len(right) > common
+        ):
+            depths[position] = common + 1
+    return depths
+
+
+def _ladders(boundaries: list[int], depth_of: dict[int, int]) -> tuple[tuple[int, ...], ...]:
+    ladders: list[tuple[int, ...]] = []
+    for depth in sorted(set(depth_of.values())):
+        ladder = tuple(position for position in boundaries if depth_of[position] <= depth)
+        if ladder not in ladders:
+            ladders.append(ladder)
+        if len(ladder) > LADDER_POINTS:
+            step = (len(ladder) - 1) / (LADDER_POINTS - 1)
+            thinned = tuple(sorted({ladder[round(i * step)] for i in range(LADDER_POINTS)}))
+            if thinned not in ladders:
+                ladders.append(thinned)
+    return tuple(ladders)
+
+
+def _crossing(
+    boundaries: list[int], producer: dict[str, int], last_use: dict[str, int]
+) -> dict[int, frozenset[str]]:
+    crossing: dict[int, set[str]] = {position: set() for position in boundaries}
+    for name, made_at in producer.items():
+        first = bisect.bisect_right(boundaries, made_at)
+        last = bisect.bisect_right(boundaries, last_use[name])
+        for position in boundaries[first:last]:
+            crossing[position].add(name)
+    return {position: frozenset(names) for position, names in crossing.items()}
 
 
 def build_chain(graph: ActivationGraph) -> Chain:
-    """Find the cuts of `graph` and precompute what region costs need."""
+    """Find the candidate boundaries of `graph` and precompute what region costs need."""
     producer = _producers(graph)
     last_read, last_use = _last_uses(graph, producer)
-    cuts = [0, *_thin(_exact_cuts(graph, producer, last_use), MAX_CUTS), len(graph.nodes)]
+    depth_of = boundary_depths(graph)
+    paths = [_components(node.module_path) for node in graph.nodes]
+    for cut in _exact_cuts(graph, producer, last_use):
+        sibling_depth = _common_depth(paths[cut - 1], paths[cut]) + 1
+        depth_of[cut] = min(depth_of.get(cut, sibling_depth), sibling_depth)
+    boundaries = sorted(depth_of)
     gradient_bytes_from = [0] * (len(graph.nodes) + 1)
     for index in range(len(graph.nodes) - 1, -1, -1):
         gradient_bytes_from[index] = (
@@ -119,9 +238,12 @@ def build_chain(graph: ActivationGraph) -> Chain:
         )
     return Chain(
         graph=graph,
-        cuts=tuple(cuts),
+        boundaries=tuple(boundaries),
+        ladders=_ladders(boundaries, depth_of),
         producer=producer,
         last_read=last_read,
+        last_use=last_use,
+        crossing=_crossing(boundaries, producer, last_use),
         gradient_bytes_from=tuple(gradient_bytes_from[: len(graph.nodes)]),
         sizes=storage_sizes(graph),
     )
@@ -132,6 +254,8 @@ def _bytes(chain: Chain, names: Iterable[str]) -> int:
 
 
 def _forward_points(chain: Chain, region: Region, inputs: set[str], retained: set[str]) -> list[int]:
+    """Live bytes of the region's own storages at each forward node; `retained` never leave in forward
+    (held for backward, cached by a keep, or used after the region)."""
     graph = chain.graph
     keep = set(region.keep)
     live = LiveBytes(chain.sizes)
@@ -183,25 +307,46 @@ def _backward_points(
     return points, recompute_ms
 
 
-def region_cost(chain: Chain, region: Region, *, previous_stores: bool) -> RegionCost:
-    """Cost of `region` (between two cuts) when the region before it is STORE (`previous_stores`) or not.
+def passing_bytes(chain: Chain, region: Region, held_in: frozenset[str]) -> int:
+    """Bytes crossing the region's start that it does not use and no earlier region holds: live through
+    its forward (they are read after it), gone by its backward unless held."""
+    passing = chain.crossing[region.start] - region_inputs(chain.graph, region) - held_in
+    return _bytes(chain, passing)
+
+
+def _local_cost(chain: Chain, region: Region, held_in: frozenset[str]) -> RegionCost:
+    """`region_cost` without the storages passing by (see `passing_bytes`)."""
+    graph = chain.graph
+    inputs = region_inputs(graph, region)
+    held = {name: at for name, at in held_storages(graph, region).items() if name not in held_in}
+    cached = cached_storages(graph, region)
+    later = chain.crossing[region.stop]
+    forward = _forward_points(chain, region, inputs - held_in, set(held) | cached | later)
+    backward, recompute_ms = _backward_points(chain, region, held, cached)
+    return RegionCost(
+        charged_bytes=_bytes(chain, set(held) | cached),
+        points_bytes=tuple(forward) + tuple(backward),
+        recompute_ms=recompute_ms,
+        held_out=frozenset((held_in | set(held) | cached) & later),
+    )
+
+
+def region_cost(chain: Chain, region: Region, *, held_in: frozenset[str]) -> RegionCost:
+    """Cost of `region` entered with the crossing storages `held_in` held (NOTE [held storages]).
 
     Each point is the region's live bytes at one moment (forward nodes, replayed nodes, backward
     nodes) on top of what earlier regions retain; the moments are the same for every `keep` set, so
     costs of different keep sets can be compared point by point (the ILP relies on that).
     """
-    graph = chain.graph
-    inputs = region_inputs(graph, region)
-    before = graph.nodes[region.start - 1] if region.start > 0 else None
-    already = inputs & set(before.saves) if (previous_stores and before is not None) else set()
-    held = {name: at for name, at in held_storages(graph, region).items() if name not in already}
-    cached = cached_storages(graph, region)
-    forward = _forward_points(chain, region, inputs - already, set(held) | cached)
-    backward, recompute_ms = _backward_points(chain, region, held, cached)
+    local = _local_cost(chain, region, held_in)
+    passing = passing_bytes(chain, region, held_in)
+    forward_count = region.stop - region.start
+    points = local.points_bytes
     return RegionCost(
-        charged_bytes=_bytes(chain, set(held) | cached),
-        points_bytes=tuple(forward + backward),
-        recompute_ms=recompute_ms,
+        charged_bytes=local.charged_bytes,
+        points_bytes=tuple(point + passing for point in points[:forward_count]) + points[forward_count:],
+        recompute_ms=local.recompute_ms,
+        held_out=local.held_out,
     )
 
 
@@ -259,13 +404,14 @@ class _Shape:
     """A costed region structure: its peaks with the gradients of later nodes taken out."""
 
     forward_peak_bytes: int
+    """Highest forward point without the passing storages (they are added per region)."""
     backward_peak_bytes: int
     """Highest backward (or replay) point less the parameter gradients of nodes after the region."""
     charged_bytes: int
     trigger_offset: int | None
     """Replay trigger minus region start; None when nothing is replayed."""
     cost: RegionCost
-    """The full cost of the region this shape was costed at."""
+    """The full cost of the region this shape was costed at, without passing storages."""
     later_gradient_bytes: int
     """Parameter gradients of the nodes after that region (in its backward points)."""
 
@@ -275,16 +421,16 @@ class RegionCosts:
 
     Repeated blocks make regions that differ only in where they sit: each node reads and makes storages
     of the same sizes, at the same distances, with the same workspaces. Such regions share one cost,
-    except for two terms that depend on position and are added per region: the parameter gradients of
-    every later node (on each backward point) and the forward times (recompute). So tabulating a
-    10,000-node stack of identical blocks costs about what its distinct region lengths do.
+    except for terms that depend on position and are added per region: the parameter gradients of
+    every later node (on each backward point), the forward times (recompute), the storages passing by
+    (on each forward point) and which crossing storages stay held (`held_out`).
 
     Each node gets a structure key: its workspaces and flags, the sizes of what it makes, and each storage
     it reads or saves named by (distance back to its producer, position among the producer's outputs);
-    last reads are distances, clipped at the longest region, beyond which every distance means "after
-    the region". A storage made further back than the longest region is named literally (so a mask made
-    once and read by every block keeps its identity). A region's key is its nodes' keys, its policy and,
-    when the region before it stores, what that region's last node saves.
+    last reads and uses are distances, clipped at the longest region, beyond which every distance means
+    "after the region". A storage made further back than the longest region is named literally (so a
+    mask made once and read by every block keeps its identity). A region's key is its nodes' keys, its
+    policy and which of its inputs earlier regions hold.
     """
 
     def __init__(self, chain: Chain, *, max_region_nodes: int) -> None:
@@ -293,24 +439,23 @@ class RegionCosts:
         nodes = chain.graph.nodes
         interned: dict[Hashable, int] = {}
         self.node_keys = [interned.setdefault(self._node_key(i), len(interned)) for i in range(len(nodes))]
-        self.save_keys = [
-            interned.setdefault(tuple(self._reference(name, i) for name in node.saves), len(interned))
-            for i, node in enumerate(nodes)
-        ]
         self.forward_ms_before = [0.0]
         for node in nodes:
             self.forward_ms_before.append(self.forward_ms_before[-1] + node.forward_ms)
         self._shapes: dict[Hashable, _Shape] = {}
+        self._inputs: dict[tuple[int, int], frozenset[str]] = {}
+        self._held: dict[tuple[int, int, RegionPolicy], frozenset[str]] = {}
 
     def _reference(self, name: str, index: int) -> Hashable:
         chain = self.chain
         size = chain.sizes[name]
         last_read = chain.last_read.get(name)
         later = None if last_read is None else min(last_read - index, self.horizon)
+        used = min(chain.last_use.get(name, index) - index, self.horizon)
         made_at = chain.producer.get(name)
         if made_at is None or index - made_at > self.horizon:
-            return ("named", name, size, later)
-        return (index - made_at, chain.graph.nodes[made_at].creates.index(name), size, later)
+            return ("named", name, size, later, used)
+        return (index - made_at, chain.graph.nodes[made_at].creates.index(name), size, later, used)
 
     def _node_key(self, index: int) -> Hashable:
         node = self.chain.graph.nodes[index]
@@ -329,8 +474,23 @@ class RegionCosts:
         gradients = self.chain.gradient_bytes_from
         return gradients[stop] if stop < len(gradients) else 0
 
-    def _shape(self, region: Region, *, previous_stores: bool) -> _Shape:
-        cost = region_cost(self.chain, region, previous_stores=previous_stores)
+    def inputs(self, start: int, stop: int) -> frozenset[str]:
+        key = (start, stop)
+        if key not in self._inputs:
+            self._inputs[key] = frozenset(
+                region_inputs(self.chain.graph, Region(start, stop, RegionPolicy.STORE))
+            )
+        return self._inputs[key]
+
+    def held_out(self, region: Region, held_in: frozenset[str]) -> frozenset[str]:
+        """Crossing storages held after a keep-free `region` entered with `held_in`."""
+        key = (region.start, region.stop, region.policy)
+        if key not in self._held:
+            self._held[key] = frozenset(held_storages(self.chain.graph, region))
+        return (held_in | self._held[key]) & self.chain.crossing[region.stop]
+
+    def _shape(self, region: Region, held_inputs: frozenset[str]) -> _Shape:
+        cost = _local_cost(self.chain, region, held_inputs)
         forward_count = region.stop - region.start
         trigger = (
             recompute_trigger(self.chain.graph, region) if region.policy is RegionPolicy.CHECKPOINT else None
@@ -345,49 +505,59 @@ class RegionCosts:
             later_gradient_bytes=self._later_gradient_bytes(region.stop),
         )
 
-    def _costed_shape(self, region: Region, previous_stores: bool) -> _Shape:
+    def _costed_shape(self, region: Region, held_in: frozenset[str]) -> tuple[_Shape, int]:
+        """The region's shape (costed with only its held inputs, so no passing storage) and the bytes
+        passing by, which its forward points add."""
         assert not region.keep, "structure keys describe keep-free regions"
-        before = self.save_keys[region.start - 1] if previous_stores and region.start > 0 else None
-        key = (region.policy, before, tuple(self.node_keys[region.start : region.stop]))
+        held_inputs = held_in & self.inputs(region.start, region.stop)
+        held_key = tuple(sorted(repr(self._reference(name, region.start)) for name in held_inputs))
+        key = (region.policy, held_key, tuple(self.node_keys[region.start : region.stop]))
         shape = self._shapes.get(key)
         if shape is None:
-            shape = self._shapes[key] = self._shape(region, previous_stores=previous_stores)
-        return shape
+            shape = self._shapes[key] = self._shape(region, held_inputs)
+        passing = self.chain.crossing[region.start] - self.inputs(region.start, region.stop) - held_in
+        return shape, _bytes(self.chain, passing)
 
-    def cost(self, region: Region, *, previous_stores: bool) -> RegionCost:
-        """`region_cost(chain, region, previous_stores=...)`, from its shape when one was costed: the
-        backward points shifted by the gradients of later nodes, the recompute summed as it does."""
-        shape = self._costed_shape(region, previous_stores)
+    def _recompute_ms(self, region: Region, shape: _Shape) -> float:
+        if shape.trigger_offset is None:
+            return 0.0
+        replayed_to = region.start + shape.trigger_offset + 1
+        return self.forward_ms_before[replayed_to] - self.forward_ms_before[region.start]
+
+    def cost(self, region: Region, *, held_in: frozenset[str]) -> RegionCost:
+        """`region_cost(chain, region, held_in=...)`, from its shape when one was costed: the backward
+        points shifted by the gradients of later nodes, the forward ones by the passing storages."""
+        shape, passing = self._costed_shape(region, held_in)
         shift = self._later_gradient_bytes(region.stop) - shape.later_gradient_bytes
         forward_count = region.stop - region.start
-        points = shape.cost.points_bytes[:forward_count] + tuple(
+        points = tuple(point + passing for point in shape.cost.points_bytes[:forward_count]) + tuple(
             point + shift for point in shape.cost.points_bytes[forward_count:]
         )
         recompute_ms = 0.0
         if shape.trigger_offset is not None:
-            replayed = self.chain.graph.nodes[region.start : region.start + shape.trigger_offset + 1]
-            for node in replayed:
+            for node in self.chain.graph.nodes[region.start : region.start + shape.trigger_offset + 1]:
                 recompute_ms += node.forward_ms
-        return RegionCost(charged_bytes=shape.charged_bytes, points_bytes=points, recompute_ms=recompute_ms)
+        return RegionCost(
+            charged_bytes=shape.charged_bytes,
+            points_bytes=points,
+            recompute_ms=recompute_ms,
+            held_out=self.held_out(region, held_in),
+        )
 
-    def summary(self, region: Region, *, previous_stores: bool) -> RegionSummary:
-        """`region_cost(chain, region, previous_stores=...)` summarised, shared across one structure.
+    def summary(self, region: Region, *, held_in: frozenset[str]) -> RegionSummary:
+        """`region_cost(chain, region, held_in=...)` summarised, shared across one structure.
 
         Recompute is a difference of running sums, so it may differ from `region_cost`'s in the last
         bits of the float.
         """
-        shape = self._costed_shape(region, previous_stores)
-        recompute_ms = 0.0
-        if shape.trigger_offset is not None:
-            replayed_to = region.start + shape.trigger_offset + 1
-            recompute_ms = self.forward_ms_before[replayed_to] - self.forward_ms_before[region.start]
+        shape, passing = self._costed_shape(region, held_in)
         return RegionSummary(
             peak_bytes=max(
-                shape.forward_peak_bytes,
+                shape.forward_peak_bytes + passing,
                 shape.backward_peak_bytes + self._later_gradient_bytes(region.stop),
             ),
             charged_bytes=shape.charged_bytes,
-            recompute_ms=recompute_ms,
+            recompute_ms=self._recompute_ms(region, shape),
         )
 
     @property

@@ -1,9 +1,9 @@
-"""`dp`: exact dynamic program over region boundaries at the cuts of the chain view.
+"""`dp`: exact dynamic program over region boundaries (solvers/chain.py).
 
-States are (cut, policy of the region that ends there). Each state keeps the Pareto set of partial
-schedules by (bytes retained so far, objective): a later region's peak grows with what earlier regions
-retain, so a partial schedule is only worth keeping if no other one retains less at the same or lower
-objective. Two objectives share the recursion:
+States are (boundary, the storages crossing it that earlier regions hold; NOTE [held storages]). Each
+state keeps the Pareto set of partial schedules by (bytes retained so far, objective): a later region's
+peak grows with what earlier regions retain, so a partial schedule is only worth keeping if no other one
+at the same state retains less at the same or lower objective. Two objectives share the recursion:
 
 - `minimise_recompute`: least recompute time with every region's peak within the budget (the solver);
 - `minimise_peak`: the lowest peak any schedule reaches (`min_peak_bytes`, and the InfeasibleBudget
@@ -11,9 +11,9 @@ objective. Two objectives share the recursion:
 
 A Pareto set is a few numpy arrays (retained bytes, peak bytes, recompute ms, partial id), so extending
 it by a region and pruning it are array operations; the region that made each partial and its parent are
-kept in a `_History` for unwinding the winner. Costs come from `chain.region_cost`; tabulating them is
-O(cuts * MAX_REGION_SEGMENTS * nodes) at most, and regions with the same structure (repeated blocks) are
-costed once (see `chain.RegionCosts`). The result is checked with the simulator by the caller (see
+kept in a `_History` for unwinding the winner. `tabulate` walks the states reachable from the first
+boundary once per graph and lists each state's transitions with their costs (`chain.RegionCosts`, which
+costs regions of the same structure once). The result is checked with the simulator by the caller (see
 solvers/__init__.py).
 """
 
@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import bisect
 import enum
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
 from planner.ir import Region, RegionPolicy, Schedule
-from planner.solvers.chain import Chain, RegionCosts, RegionSummary
+from planner.solvers.chain import Chain, RegionCosts, RegionSummary, State
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CostTable",
@@ -37,19 +40,57 @@ __all__ = [
     "min_peak_schedule",
     "region_costs",
     "tabulate",
+    "Transition",
 ]
 
-MAX_REGION_SEGMENTS = 16
-"""Longest checkpointed region, in segments between cuts. The lowest peaks come from regions of about
-sqrt(cuts) <= sqrt(MAX_CUTS) ~ 10 segments; on synthetic stacks of 200-2,000 nodes a limit of 24 found
-plans within 0.3 % of this one's recompute, at twice the tabulation time."""
 MAX_FRONTIER = 4096
 """Pareto sets larger than this are thinned to the best partial per band of retained bytes."""
+MAX_HELD_VARIANTS = 64
+"""States per boundary (which crossing storages are held) beyond which transitions into new ones are
+dropped, and the search is no longer exact. Each variant comes from how earlier regions treated the
+storages crossing the boundary; skip lists and feature lists of real models reach a few dozen."""
 
-CostTable = dict[tuple[int, int, RegionPolicy, bool], tuple[RegionSummary, ...]]
-"""(start, stop, policy, previous region stores) -> the region's variants (keep sets) and their costs."""
 Ints = npt.NDArray[np.int64]
 Floats = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A candidate region from one state to the next, with its variants (keep sets) and their costs."""
+
+    region: Region
+    """Without keeps; a variant's `keep` says which nodes it keeps."""
+    source: State
+    target: State
+    variants: tuple[RegionSummary, ...]
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Every state reachable from the first boundary, in boundary order, with its transitions."""
+
+    transitions: dict[State, tuple[Transition, ...]]
+    complete: bool
+    """No state was dropped (MAX_HELD_VARIANTS): searches over the table are exact."""
+
+    @property
+    def start(self) -> State:
+        return next(iter(self.transitions))
+
+    def with_variants(self, variants: dict[tuple[State, Region], tuple[RegionSummary, ...]]) -> CostTable:
+        """The same transitions with other variants where `variants` has them."""
+        return CostTable(
+            transitions={
+                state: tuple(
+                    Transition(
+                        t.region, t.source, t.target, variants.get((t.source, t.region), t.variants)
+                    )
+                    for t in transitions
+                )
+                for state, transitions in self.transitions.items()
+            },
+            complete=self.complete,
+        )
 
 
 class Objective(enum.Enum):
@@ -61,34 +102,64 @@ class Objective(enum.Enum):
 
 def region_costs(chain: Chain) -> RegionCosts:
     """The region costs `tabulate` reads, sharing structure up to the longest region it tabulates."""
-    cuts = chain.cuts
-    longest = max(cuts[min(i + MAX_REGION_SEGMENTS, len(cuts) - 1)] - cuts[i] for i in range(len(cuts) - 1))
+    longest = max(stop - start for start, stops in chain.checkpoint_stops.items() for stop in stops)
     return RegionCosts(chain, max_region_nodes=longest)
 
 
-def tabulate(costs: RegionCosts) -> CostTable:
-    """Region costs for pairs of cuts, policy and previous policy.
+def _policies(chain: Chain, start: int, stop: int, blocked_before: list[int]) -> list[RegionPolicy]:
+    """Stored regions span one step between boundaries (a stored run costs what its steps cost one by
+    one); checkpointed ones any ladder reach over checkpointable nodes."""
+    policies = [RegionPolicy.STORE] if chain.next_boundary[start] == stop else []
+    if blocked_before[stop] == blocked_before[start]:
+        policies.append(RegionPolicy.CHECKPOINT)
+    return policies
 
-    Stored regions span one segment: a stored run of segments costs what its segments cost one by
-    one (the storage crossing each cut is deduplicated through `previous_stores`). Checkpointed
-    regions span up to MAX_REGION_SEGMENTS segments, which bounds the table at O(cuts) entries.
+
+def _stored_path(costs: RegionCosts) -> list[State]:
+    """The states the schedule without checkpointing passes through."""
+    chain = costs.chain
+    state: State = (0, frozenset())
+    path = [state]
+    for start, stop in zip(chain.boundaries[:-1], chain.boundaries[1:], strict=True):
+        state = (stop, costs.held_out(Region(start, stop, RegionPolicy.STORE), state[1]))
+        path.append(state)
+    return path
+
+
+def tabulate(costs: RegionCosts) -> CostTable:
+    """Walk the states reachable from the first boundary and cost every transition out of them.
+
+    The states of the schedule without checkpointing are entered first, so that the cap on states per
+    boundary never drops them.
     """
     chain = costs.chain
-    nodes = chain.graph.nodes
-    cuts = chain.cuts
-    table: CostTable = {}
-    for i, start in enumerate(cuts[:-1]):
-        for j, stop in enumerate(cuts[i + 1 : i + 1 + MAX_REGION_SEGMENTS]):
-            policies = [RegionPolicy.STORE] if j == 0 else []
-            if all(node.checkpointable for node in nodes[start:stop]):
-                policies.append(RegionPolicy.CHECKPOINT)
-            for policy in policies:
-                for previous_stores in (False, True):
+    blocked_before = [0]
+    for node in chain.graph.nodes:
+        blocked_before.append(blocked_before[-1] + (not node.checkpointable))
+    states_at: dict[int, dict[frozenset[str], None]] = {position: {} for position in chain.boundaries}
+    for position, held in _stored_path(costs):
+        states_at[position][held] = None
+    complete = True
+    transitions: dict[State, tuple[Transition, ...]] = {}
+    for start in chain.boundaries[:-1]:
+        for held_in in list(states_at[start]):
+            found = []
+            for stop in chain.checkpoint_stops[start]:
+                for policy in _policies(chain, start, stop, blocked_before):
                     region = Region(start, stop, policy)
-                    table[(start, stop, policy, previous_stores)] = (
-                        costs.summary(region, previous_stores=previous_stores),
-                    )
-    return table
+                    held_out = costs.held_out(region, held_in)
+                    if held_out not in states_at[stop]:
+                        if len(states_at[stop]) >= MAX_HELD_VARIANTS:
+                            complete = False
+                            continue
+                        states_at[stop][held_out] = None
+                    summary = costs.summary(region, held_in=held_in)
+                    found.append(Transition(region, (start, held_in), (stop, held_out), (summary,)))
+            transitions[(start, held_in)] = tuple(found)
+    transitions[(chain.boundaries[-1], frozenset())] = ()
+    if not complete:
+        log.warning("more than %d held-storage states at a boundary: dp is not exact", MAX_HELD_VARIANTS)
+    return CostTable(transitions=transitions, complete=complete)
 
 
 @dataclass
@@ -208,35 +279,41 @@ class _Found:
     """No Pareto set was thinned: the result is optimal over the table."""
 
 
-def _search(chain: Chain, table: CostTable, *, limit_bytes: float, objective: Objective) -> _Found | None:
-    cuts = chain.cuts
-    exact = True
-    total_ms = sum(node.forward_ms for node in chain.graph.nodes)
+def _search(table: CostTable, *, limit_bytes: float, objective: Objective, total_ms: float) -> _Found | None:
+    exact = table.complete
     history = _History()
     root = _Partials(
         np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1, dtype=np.int64)
     )
-    pending: dict[tuple[int, bool], list[_Partials]] = {(0, False): [root]}
-    for i, start in enumerate(cuts[:-1]):
-        for previous_stores in (False, True):
-            parts = pending.pop((start, previous_stores), None)
-            if not parts:
-                continue
-            sources, thinned = _prune(_Partials.concatenate(parts), objective, total_ms)
-            exact = exact and not thinned
-            for stop in cuts[i + 1 : i + 1 + MAX_REGION_SEGMENTS]:
-                for policy in (RegionPolicy.STORE, RegionPolicy.CHECKPOINT):
-                    for cost in table.get((start, stop, policy, previous_stores), ()):
-                        extended = _extend(sources, cost, limit_bytes)
-                        if len(extended.ids):
-                            extended.ids = history.add(extended.ids, Region(start, stop, policy, cost.keep))
-                            pending.setdefault((stop, policy is RegionPolicy.STORE), []).append(extended)
-    finals = pending.get((cuts[-1], False), []) + pending.get((cuts[-1], True), [])
+    pending: dict[State, list[_Partials]] = {table.start: [root]}
+    finals: list[_Partials] = []
+    for state, transitions in table.transitions.items():
+        parts = pending.pop(state, None)
+        if not parts:
+            continue
+        if not transitions:
+            finals += parts
+            continue
+        sources, thinned = _prune(_Partials.concatenate(parts), objective, total_ms)
+        exact = exact and not thinned
+        for transition in transitions:
+            region = transition.region
+            for cost in transition.variants:
+                extended = _extend(sources, cost, limit_bytes)
+                if len(extended.ids):
+                    extended.ids = history.add(
+                        extended.ids, Region(region.start, region.stop, region.policy, cost.keep)
+                    )
+                    pending.setdefault(transition.target, []).append(extended)
     if not finals:
         return None
     every = _Partials.concatenate(finals)
     best = np.lexsort((every.peak_bytes, _objective(every, objective, total_ms)))[0]
     return _Found(history.unwind(int(every.ids[best])), float(every.recompute_ms[best]), exact)
+
+
+def _total_ms(chain: Chain) -> float:
+    return sum(node.forward_ms for node in chain.graph.nodes)
 
 
 def _merge_stored(regions: list[Region]) -> list[Region]:
@@ -265,7 +342,9 @@ def least_recompute(chain: Chain, table: CostTable, *, activation_budget_bytes: 
     None when no schedule fits (thinning keeps the least-retained partial of every state, so this is
     exact even when the recompute is not).
     """
-    found = _search(chain, table, limit_bytes=activation_budget_bytes, objective=Objective.RECOMPUTE)
+    found = _search(
+        table, limit_bytes=activation_budget_bytes, objective=Objective.RECOMPUTE, total_ms=_total_ms(chain)
+    )
     if found is None:
         return None
     schedule = Schedule(regions=tuple(_merge_stored(found.regions)), solver="dp")
@@ -280,6 +359,6 @@ def dp_schedule(chain: Chain, table: CostTable, *, activation_budget_bytes: floa
 
 def min_peak_schedule(chain: Chain, table: CostTable) -> Schedule:
     """The schedule with the lowest activation-side peak (least recompute among equals)."""
-    found = _search(chain, table, limit_bytes=float("inf"), objective=Objective.PEAK)
+    found = _search(table, limit_bytes=float("inf"), objective=Objective.PEAK, total_ms=_total_ms(chain))
     assert found is not None, "an unconstrained search always finds the store-everything schedule"
     return Schedule(regions=tuple(_merge_stored(found.regions)), solver="dp")

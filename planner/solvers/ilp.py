@@ -1,13 +1,15 @@
 """`ilp`: OR-tools CP-SAT over region boundaries *and* selective keeps inside checkpointed regions.
 
-The plan space is `dp`'s (regions between cuts, each stored or checkpointed) plus, inside a checkpointed
-region, a set of nodes whose outputs are kept instead of replayed (NOTE [selective keeps] in
-simulate.py). Keeping an expensive matmul and replaying the cheap pointwise ops around it is how
-Megatron's selective recompute saves most activation memory for a few percent of extra compute.
+The plan space is `dp`'s (regions between candidate boundaries, each stored or checkpointed) plus,
+inside a checkpointed region, a set of nodes whose outputs are kept instead of replayed (NOTE
+[selective keeps] in simulate.py). Keeping an expensive matmul and replaying the cheap pointwise ops
+around it is how Megatron's selective recompute saves most activation memory for a few percent of
+extra compute.
 
 Model (a shortest path with side constraints):
 
-- Path vertices are (cut, whether the region ending there is stored); an edge is a candidate region.
+- Path vertices are `dp`'s states (boundary, crossing storages held so far; NOTE [held storages] in
+  solvers/chain.py); an edge is a candidate region (a `Transition`).
   `use[e]` selects edges; flow conservation makes the selection a partition of the nodes.
 - `keep[k]` per keepable node (see `keepable`); a kept node must lie in a selected checkpointed region
   that allows it (it is replayed: at or before the region's trigger; its outputs stay inside).
@@ -34,7 +36,7 @@ import numpy as np
 
 from planner.ir import Region, RegionPolicy, Schedule
 from planner.simulate import recompute_trigger, selective_overhead_ms
-from planner.solvers.chain import Chain, RegionCost, RegionCosts, RegionSummary, keep_effect
+from planner.solvers.chain import Chain, RegionCost, RegionCosts, RegionSummary, State, keep_effect
 from planner.solvers.dp import CostTable, least_recompute
 
 __all__ = ["IlpResult", "ilp_schedule", "keepable"]
@@ -60,8 +62,8 @@ class IlpResult:
 
 @dataclass(frozen=True)
 class _Edge:
-    source: tuple[int, bool]
-    target: tuple[int, bool]
+    source: State
+    target: State
     region: Region
     cost: RegionCost
     keep_points: dict[int, tuple[int, ...]]
@@ -102,7 +104,7 @@ def _allowed_keeps(chain: Chain, region: Region, candidates: list[int]) -> list[
         index
         for index in candidates
         if region.start <= index <= trigger
-        and all(chain.last_read.get(name, index) < region.stop for name in chain.graph.nodes[index].creates)
+        and all(chain.last_use.get(name, index) < region.stop for name in chain.graph.nodes[index].creates)
     ]
 
 
@@ -111,8 +113,7 @@ def _units(size_bytes: float) -> int:
 
 
 def _edges(costs: RegionCosts, candidates: list[int], table: CostTable) -> list[_Edge]:
-    """One edge per region of `dp`'s table (stored regions span one segment: a stored run costs what
-    its segments cost one by one, the storage crossing each cut deduplicated by `previous_stores`).
+    """One edge per transition of `dp`'s table.
 
     A region without allowed keeps needs only its peak, which the table has; one with keeps needs every
     point of its timeline and each keep's effect on them.
@@ -120,32 +121,38 @@ def _edges(costs: RegionCosts, candidates: list[int], table: CostTable) -> list[
     chain = costs.chain
     edges = []
     effects: dict[tuple[int, int], tuple[dict[int, tuple[int, ...]], dict[int, int]]] = {}
-    for (start, stop, policy, previous_stores), (summary, *_) in table.items():
-        region = Region(start, stop, policy)
-        keeps = _allowed_keeps(chain, region, candidates) if policy is RegionPolicy.CHECKPOINT else []
-        if keeps:
-            cost = costs.cost(region, previous_stores=previous_stores)
-            if (start, stop) not in effects:
-                effect = {index: keep_effect(chain, region, index) for index in keeps}
-                effects[(start, stop)] = (
-                    {index: points for index, (points, _) in effect.items()},
-                    {index: charged for index, (_, charged) in effect.items()},
+    for transitions in table.transitions.values():
+        for transition in transitions:
+            region = transition.region
+            start, stop = region.start, region.stop
+            summary = transition.variants[0]
+            checkpointed = region.policy is RegionPolicy.CHECKPOINT
+            keeps = _allowed_keeps(chain, region, candidates) if checkpointed else []
+            if keeps:
+                cost = costs.cost(region, held_in=transition.source[1])
+                if (start, stop) not in effects:
+                    effect = {index: keep_effect(chain, region, index) for index in keeps}
+                    effects[(start, stop)] = (
+                        {index: points for index, (points, _) in effect.items()},
+                        {index: charged for index, (_, charged) in effect.items()},
+                    )
+                keep_points, keep_charged = effects[(start, stop)]
+            else:
+                cost = RegionCost(summary.charged_bytes, (summary.peak_bytes,), summary.recompute_ms)
+                keep_points, keep_charged = {}, {}
+            edges.append(
+                _Edge(
+                    source=transition.source,
+                    target=transition.target,
+                    region=region,
+                    cost=cost,
+                    keep_points=keep_points,
+                    keep_charged=keep_charged,
+                    selective_ms=selective_overhead_ms(
+                        chain.graph, Region(start, stop, region.policy, tuple(keeps))
+                    ),
                 )
-            keep_points, keep_charged = effects[(start, stop)]
-        else:
-            cost = RegionCost(summary.charged_bytes, (summary.peak_bytes,), summary.recompute_ms)
-            keep_points, keep_charged = {}, {}
-        edges.append(
-            _Edge(
-                source=(start, previous_stores),
-                target=(stop, policy is RegionPolicy.STORE),
-                region=region,
-                cost=cost,
-                keep_points=keep_points,
-                keep_charged=keep_charged,
-                selective_ms=selective_overhead_ms(chain.graph, Region(start, stop, policy, tuple(keeps))),
             )
-        )
     return edges
 
 
@@ -193,13 +200,10 @@ def _variants(chain: Chain, edge: _Edge, *, relaxed: bool) -> tuple[RegionSummar
     return tuple(variants)
 
 
-def _variant_table(chain: Chain, edges: list[_Edge], *, relaxed: bool) -> CostTable:
-    return {
-        (edge.region.start, edge.region.stop, edge.region.policy, edge.source[1]): _variants(
-            chain, edge, relaxed=relaxed
-        )
-        for edge in edges
-    }
+def _variant_table(chain: Chain, table: CostTable, edges: list[_Edge], *, relaxed: bool) -> CostTable:
+    return table.with_variants(
+        {(edge.source, edge.region): _variants(chain, edge, relaxed=relaxed) for edge in edges}
+    )
 
 
 def _relevant_points(edge: _Edge) -> list[int]:
@@ -238,28 +242,32 @@ def ilp_schedule(
     candidates = keepable(chain)
     edges = _edges(costs, candidates, table)
     relaxed = least_recompute(
-        chain, _variant_table(chain, edges, relaxed=True), activation_budget_bytes=activation_budget_bytes
+        chain,
+        _variant_table(chain, table, edges, relaxed=True),
+        activation_budget_bytes=activation_budget_bytes,
     )
     if relaxed is None:
         return None
     bound_ms = relaxed.recompute_ms if relaxed.exact else 0.0
     greedy = least_recompute(
-        chain, _variant_table(chain, edges, relaxed=False), activation_budget_bytes=activation_budget_bytes
+        chain,
+        _variant_table(chain, table, edges, relaxed=False),
+        activation_budget_bytes=activation_budget_bytes,
     )
     if greedy is not None and greedy.recompute_ms <= bound_ms * (1 + 1e-9):
         schedule = Schedule(regions=greedy.schedule.regions, solver="ilp")
         return IlpResult(schedule=schedule, recompute_ms=greedy.recompute_ms, gap=0.0, optimal=True)
     cp_model = _load_cp_model()
-    model, use, keep, objective = _model(cp_model, chain, edges, candidates, budget_units)
+    model, use, keep, objective = _model(cp_model, chain, table, edges, candidates, budget_units)
     # Our bound in time units, for CP-SAT's search and for stopping it. A plan's objective rounds each
     # used edge, its selective overhead and each keep by at most half a unit: at most one unit per cut
-    # (a plan has fewer regions than cuts) and half a unit per candidate, which this slack covers.
-    bound_units = math.floor(bound_ms * TIME_UNITS_PER_MS) - len(chain.cuts) - len(candidates)
+    # (a plan has fewer regions than boundaries) and half a unit per candidate, which this slack covers.
+    bound_units = math.floor(bound_ms * TIME_UNITS_PER_MS) - len(chain.boundaries) - len(candidates)
     if bound_ms > 0:
         model.add(objective >= bound_units)
     start_from = greedy.schedule if greedy is not None else hint
     if start_from is not None:
-        _add_hint(model, chain, edges, use, keep, start_from)
+        _add_hint(model, chain, table, edges, use, keep, start_from)
     solver = cp_model.CpSolver()
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = 1
@@ -296,28 +304,33 @@ def _stop_within_gap(cp_model: Any, bound_units: int) -> Any:
 
 
 def _model(
-    cp_model: Any, chain: Chain, edges: list[_Edge], candidates: list[int], budget_units: int
+    cp_model: Any,
+    chain: Chain,
+    table: CostTable,
+    edges: list[_Edge],
+    candidates: list[int],
+    budget_units: int,
 ) -> tuple[Any, list[Any], dict[int, Any], Any]:
-    """The CP-SAT model (a path through (cut, stored) vertices with memory and keep side constraints),
+    """The CP-SAT model (a path through dp's states with memory and keep side constraints),
     its edge and keep variables, and its objective (recompute in time units)."""
     model = cp_model.CpModel()
     use = [model.new_bool_var(f"use{e}") for e in range(len(edges))]
     keep = {index: model.new_bool_var(f"keep{index}") for index in candidates}
     total_units = _units(sum(chain.sizes.values())) + 1
-    outgoing: dict[tuple[int, bool], list[Any]] = {}
-    incoming: dict[tuple[int, bool], list[Any]] = {}
+    outgoing: dict[State, list[Any]] = {}
+    incoming: dict[State, list[Any]] = {}
     for e, edge in enumerate(edges):
         outgoing.setdefault(edge.source, []).append(use[e])
         incoming.setdefault(edge.target, []).append(use[e])
     vertices = set(outgoing) | set(incoming)
     retained = {vertex: model.new_int_var(0, total_units, f"retained{vertex}") for vertex in vertices}
-    start, end = (0, False), chain.cuts[-1]
+    start, end = table.start, (chain.boundaries[-1], frozenset[str]())
     model.add(retained[start] == 0)
     model.add(sum(outgoing[start]) == 1)
     for vertex in vertices:
-        if vertex != start and vertex[0] != end:
+        if vertex not in (start, end):
             model.add(sum(outgoing.get(vertex, [])) == sum(incoming.get(vertex, [])))
-    model.add(sum(incoming.get((end, False), []) + incoming.get((end, True), [])) == 1)
+    model.add(sum(incoming.get(end, [])) == 1)
 
     allowed_in: dict[int, list[Any]] = {index: [] for index in candidates}
     for e, edge in enumerate(edges):
@@ -356,29 +369,39 @@ def _model(
     return model, use, keep, objective
 
 
-def _hint_path(chain: Chain, hint: Schedule) -> set[tuple[int, int, RegionPolicy, bool]]:
-    """The hinted schedule as edge keys: stored regions split at every cut inside them (stored edges
-    span one segment), each region with the policy of the one before it."""
-    previous_stores = False
-    path = set()
+def _hint_path(chain: Chain, table: CostTable, hint: Schedule) -> set[tuple[State, Region]]:
+    """The hinted schedule as edge keys: stored regions split at every boundary inside them (stored
+    edges span one step), each step from the state the one before it reached."""
+    state = table.start
+    path: set[tuple[State, Region]] = set()
     for region in hint.regions:
         bounds = [region.start, region.stop]
         if region.policy is RegionPolicy.STORE:
-            bounds = [region.start, *(c for c in chain.cuts if region.start < c < region.stop), region.stop]
+            inner = (c for c in chain.boundaries if region.start < c < region.stop)
+            bounds = [region.start, *inner, region.stop]
         for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
-            path.add((start, stop, region.policy, previous_stores))
-            previous_stores = region.policy is RegionPolicy.STORE
+            step = Region(start, stop, region.policy)
+            match = [t for t in table.transitions.get(state, ()) if t.region == step]
+            if not match:
+                return path
+            path.add((state, step))
+            state = match[0].target
     return path
 
 
 def _add_hint(
-    model: Any, chain: Chain, edges: list[_Edge], use: list[Any], keep: dict[int, Any], hint: Schedule
+    model: Any,
+    chain: Chain,
+    table: CostTable,
+    edges: list[_Edge],
+    use: list[Any],
+    keep: dict[int, Any],
+    hint: Schedule,
 ) -> None:
     """Warm start: the hinted schedule's regions as edges, and its keeps."""
-    wanted = _hint_path(chain, hint)
+    wanted = _hint_path(chain, table, hint)
     for e, edge in enumerate(edges):
-        key = (edge.region.start, edge.region.stop, edge.region.policy, edge.source[1])
-        model.add_hint(use[e], key in wanted)
+        model.add_hint(use[e], (edge.source, edge.region) in wanted)
     kept = {index for region in hint.regions for index in region.keep}
     for index, variable in keep.items():
         model.add_hint(variable, index in kept)

@@ -108,3 +108,63 @@ def with_selective_price(
         for node, count in zip(graph.nodes, operator_counts, strict=True)
     )
     return dataclasses.replace(graph, nodes=nodes, selective_op_overhead_ms=per_operator_ms)
+
+
+def random_dag(rng: random.Random, length: int) -> ActivationGraph:
+    """A random DAG: each node reads the previous output and, often, a storage made further back (a
+    skip connection, a feature list, an encoder output); saves some of what it reads or its own output;
+    every node runs in its own block, so every position is a candidate boundary."""
+    nodes = []
+    storage_bytes: dict[str, int] = {}
+    for index in range(length):
+        name = f"s{index}"
+        storage_bytes[name] = rng.randint(1, 8) * MIB
+        reads = [f"s{index - 1}"] if index else []
+        if index > 1 and rng.random() < 0.6:
+            reads.append(f"s{rng.randrange(index - 1)}")
+        saves = [read for read in reads if rng.random() < 0.5]
+        if rng.random() < 0.3:
+            saves.append(name)
+        forward_ms = rng.uniform(0.1, 5.0)
+        nodes.append(
+            Node(
+                name=f"n{index}",
+                op=rng.choice(["linear", "cat", "add", "relu"]),
+                module_path=f"blocks.{index}.op",
+                inputs=tuple(f"n{int(read[1:])}" for read in reads),
+                creates=(name,),
+                reads=tuple(reads),
+                saves=tuple(saves),
+                saves_anything=bool(saves) or rng.random() < 0.3,
+                forward_ms=forward_ms,
+                backward_ms=2 * forward_ms,
+                forward_workspace_bytes=rng.choice([0, MIB]),
+                backward_workspace_bytes=rng.randint(0, 4) * MIB,
+                parameter_gradient_bytes=rng.choice([0, MIB // 4]),
+            )
+        )
+    outputs = [f"s{length - 1}"] + ([f"s{rng.randrange(length - 1)}"] if rng.random() < 0.3 else [])
+    nodes.append(
+        Node(
+            name="loss",
+            op="loss_fn",
+            module_path="",
+            inputs=tuple(f"n{int(read[1:])}" for read in outputs),
+            creates=(),
+            reads=tuple(outputs),
+            saves=(outputs[0],),
+            saves_anything=True,
+            forward_ms=0.1,
+            backward_ms=0.1,
+            forward_workspace_bytes=0,
+            backward_workspace_bytes=0,
+            checkpointable=False,
+        )
+    )
+    return ActivationGraph(
+        nodes=tuple(nodes),
+        storage_bytes=storage_bytes,
+        static=static_bytes(),
+        capture="synthetic",
+        optimizer="adam",
+    )

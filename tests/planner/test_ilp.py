@@ -78,16 +78,16 @@ def test_ilp_matches_brute_force_with_keeps(seed: int, per_operator_ms: float) -
 def test_keep_effect_equals_differencing_region_costs(seed: int) -> None:
     graph = keepable_chain(random.Random(seed), 8)
     chain = _tables(graph).chain
-    for start, stop in itertools.combinations(chain.cuts, 2):
+    for start, stop in itertools.combinations(chain.boundaries, 2):
         region = Region(start, stop, RegionPolicy.CHECKPOINT)
         if (
             not all(node.checkpointable for node in graph.nodes[start:stop])
             or recompute_trigger(graph, region) is None
         ):
             continue
-        base = region_cost(chain, region, previous_stores=False)
+        base = region_cost(chain, region, held_in=frozenset())
         for index in _allowed_keeps(chain, region, keepable(chain)):
-            kept = region_cost(chain, Region(start, stop, region.policy, (index,)), previous_stores=False)
+            kept = region_cost(chain, Region(start, stop, region.policy, (index,)), held_in=frozenset())
             points, charged = keep_effect(chain, region, index)
             assert points == tuple(a - b for a, b in zip(kept.points_bytes, base.points_bytes, strict=True))
             assert charged == kept.charged_bytes - base.charged_bytes

@@ -7,7 +7,7 @@ import random
 import pytest
 from synthetic_graphs import random_chain
 
-from planner.ir import ActivationGraph, Region
+from planner.ir import ActivationGraph
 from planner.solvers.chain import Chain, RegionCosts, build_chain, region_cost
 from planner.solvers.dp import region_costs, tabulate
 from planner.synthetic import residual_graph
@@ -31,32 +31,33 @@ def test_every_tabulated_summary_equals_region_cost(name: str) -> None:
     costs = region_costs(chain)
     table = tabulate(costs)
     assert table
-    for (start, stop, policy, previous_stores), (summary,) in table.items():
-        region = Region(start, stop, policy)
-        cost = region_cost(chain, region, previous_stores=previous_stores)
-        assert (summary.peak_bytes, summary.charged_bytes) == (cost.peak_bytes, cost.charged_bytes)
-        assert summary.recompute_ms == pytest.approx(cost.recompute_ms, rel=1e-12, abs=1e-12)
-        assert costs.cost(region, previous_stores=previous_stores) == cost
+    for transitions in table.transitions.values():
+        for transition in transitions:
+            region, (summary,) = transition.region, transition.variants
+            held_in = transition.source[1]
+            cost = region_cost(chain, region, held_in=held_in)
+            assert (summary.peak_bytes, summary.charged_bytes) == (cost.peak_bytes, cost.charged_bytes)
+            assert summary.recompute_ms == pytest.approx(cost.recompute_ms, rel=1e-12, abs=1e-12)
+            assert transition.target == (region.stop, cost.held_out)
+            assert costs.cost(region, held_in=held_in) == cost
 
 
 def distinct_regions(chain: Chain) -> tuple[int, int]:
-    """(region structures costed, table entries that could differ) when tabulating `chain`.
-
-    At the first cut no region comes before, so `previous_stores` cannot matter there.
-    """
+    """(region structures costed, transitions tabulated) when tabulating `chain`."""
     costs = RegionCosts(chain, max_region_nodes=len(chain.graph.nodes))
     table = tabulate(region_costs(chain))
-    for start, stop, policy, previous_stores in table:
-        costs.summary(Region(start, stop, policy), previous_stores=previous_stores)
-    return costs.distinct_regions, sum(
-        1 for start, *_, previous_stores in table if start or not previous_stores
-    )
+    entries = 0
+    for (_, held_in), transitions in table.transitions.items():
+        for transition in transitions:
+            costs.summary(transition.region, held_in=held_in)
+            entries += 1
+    return costs.distinct_regions, entries
 
 
 def test_repeated_blocks_are_costed_once_per_region_shape() -> None:
     repeated = build_chain(residual_graph(node_count=2001, distinct_blocks=1))
     drawn = build_chain(residual_graph(node_count=2001))
-    assert repeated.cuts == drawn.cuts
+    assert repeated.boundaries == drawn.boundaries
     repeated_costed, entries = distinct_regions(repeated)
     drawn_costed, drawn_entries = distinct_regions(drawn)
     assert drawn_costed == drawn_entries == entries

@@ -160,7 +160,7 @@ def test_a_small_mask_read_by_every_layer_leaves_the_cuts_between_layers() -> No
     masked = dataclasses.replace(
         graph, nodes=tuple(nodes), storage_bytes={**graph.storage_bytes, "mask": mask_bytes}
     )
-    assert build_chain(masked).cuts == (0, 1, 2, 3, 4, 5)
+    assert build_chain(masked).boundaries == (0, 1, 2, 3, 4, 5)
     lowest = lowest_peak(masked)[1].peak_bytes
     baseline = simulate(masked, store_everything(masked)).peak_bytes
     assert lowest < baseline

@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
-import io
 import logging
 import operator
 import traceback
@@ -59,6 +59,12 @@ from torch import fx, nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from planner.errors import UnsupportedModel
+from planner.submodule_export import (
+    check_shared_state,
+    drop_export_guards,
+    inline_exported_containers,
+    quiet_export,
+)
 
 __all__ = ["Capture", "CapturePath", "GraphCall", "capture", "has_hooks", "hooked_submodules"]
 
@@ -67,15 +73,17 @@ log = logging.getLogger(__name__)
 MAX_OPAQUE_MODULES = 64
 """A model with more untraceable submodules than this is better served by the export level."""
 
-EXPORT_GUARDS_MODULE = "_guards_fn"
-"""The shape-guard call that `ExportedProgram.module()` inserts; `GraphCall` checks shapes instead."""
-
 
 class CapturePath:
     """The levels of the capture chain, finest first (the values `Capture.path` starts with)."""
 
     FX = "fx"
     EXPORT = "export"
+
+
+def _shapes(values: Any) -> tuple[tuple[int, ...] | None, ...]:
+    leaves, _ = tree_flatten(values)
+    return tuple(tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves)
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,9 @@ class GraphCall:
     signature: inspect.Signature
     example_spec: TreeSpec | None = None
     example_shapes: tuple[tuple[int, ...] | None, ...] = ()
+    pinned_shapes: tuple[tuple[int, ...] | None, ...] | None = None
+    """FX graphs with an exported submodule inlined (NOTE [exported submodules]) run only at the
+    example's tensor shapes: the bound arguments' shapes, checked on every call."""
 
     def graph_arguments(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -110,7 +121,15 @@ class GraphCall:
     def _bound(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return tuple(bound.arguments.values())
+        values = tuple(bound.arguments.values())
+        if self.pinned_shapes is not None and _shapes(values) != self.pinned_shapes:
+            raise ValueError(
+                "this planned module runs a submodule captured by torch.export for calls shaped like the "
+                f"example: tensor shapes {self.pinned_shapes}; got {_shapes(values)}. Plan again with an "
+                "example of this call (planner.optimize), or keep batches the same size "
+                "(DataLoader(drop_last=True))."
+            )
+        return values
 
     def _check(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
         """The flat leaves of the call, after checking that it has the example's structure and shapes."""
@@ -158,9 +177,12 @@ def hooked_submodules(model: torch.nn.Module) -> list[str]:
 
 
 class _OpaqueTracer(fx.Tracer):
-    """The default tracer, but the named submodules stay single call_module nodes.
+    """The default tracer, but the named submodules stay single call_module nodes, and `torch.nn`'s own
+    containers (an `nn.TransformerEncoder`, an `nn.MultiheadAttention`) are traced into, not kept as
+    leaves: their layers are blocks to plan (if tracing fails inside, the container becomes opaque and
+    torch.export may capture it; see planner/submodule_export.py).
 
-    So do submodules with hooks (see NOTE [hooks]): called as modules, their hooks run.
+    Submodules with hooks stay single nodes too (see NOTE [hooks]): called as modules, their hooks run.
     """
 
     def __init__(self, opaque: set[str]) -> None:
@@ -171,7 +193,7 @@ class _OpaqueTracer(fx.Tracer):
         return (
             qualified_name in self.opaque
             or has_hooks(module)
-            or super().is_leaf_module(module, qualified_name)
+            or (super().is_leaf_module(module, qualified_name) and not any(True for _ in module.children()))
         )
 
 
@@ -386,29 +408,30 @@ def _capture_fx(
             opaque.add(failing)
             continue
         graph_module = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        exported = inline_exported_containers(graph_module, model, opaque, example) if example else []
         _run_out_of_place(graph_module, model)
-        path = CapturePath.FX if not opaque else f"{CapturePath.FX} (opaque: {', '.join(sorted(opaque))})"
         call = GraphCall(signature=signature)
         inputs = call.graph_inputs(example.args, example.kwargs) if example is not None else ()
+        if exported:
+            call = dataclasses.replace(call, pinned_shapes=_shapes(inputs))
+        still_opaque = sorted(opaque - set(exported))
         return Capture(
             graph_module=graph_module,
-            path=path,
-            opaque_modules=tuple(sorted(opaque)),
+            path=_fx_path(still_opaque, exported),
+            opaque_modules=tuple(still_opaque),
             call=call,
             inputs=inputs,
         )
 
 
-@contextlib.contextmanager
-def _quiet_export() -> Iterator[None]:
-    """torch.export prints the partial graph to stderr when it fails; a fallback is no error, so log it."""
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            yield
-    finally:
-        if stderr.getvalue():
-            log.debug("torch.export wrote to stderr:\n%s", stderr.getvalue())
+def _fx_path(opaque: list[str], exported: list[str]) -> str:
+    """`Capture.path` of an FX capture: which submodules stayed opaque, which torch.export captured."""
+    notes = []
+    if exported:
+        notes.append(f"exported: {', '.join(exported)}")
+    if opaque:
+        notes.append(f"opaque: {', '.join(opaque)}")
+    return f"{CapturePath.FX} ({'; '.join(notes)})" if notes else CapturePath.FX
 
 
 @contextlib.contextmanager
@@ -424,28 +447,6 @@ def _root_hooks_suspended(model: torch.nn.Module) -> Iterator[None]:
             setattr(model, name, hooks)
 
 
-def _check_shared_state(graph_module: fx.GraphModule, model: torch.nn.Module) -> None:
-    """The exported graph must fetch the model's own Parameters and buffers (gradients, tied weights)."""
-    own = {id(t) for t in (*model.parameters(), *model.buffers())}
-    foreign = [
-        name
-        for name, tensor in (*graph_module.named_parameters(), *graph_module.named_buffers())
-        if id(tensor) not in own
-    ]
-    if foreign:
-        raise UnsupportedModel(
-            f"torch.export gave {type(model).__name__} copies of {foreign[:4]} instead of the model's own "
-            "tensors; gradients would not reach the model."
-        )
-
-
-def _drop_export_guards(graph_module: fx.GraphModule) -> None:
-    for node in list(graph_module.graph.nodes):
-        if node.op == "call_module" and node.target == EXPORT_GUARDS_MODULE and not node.users:
-            graph_module.graph.erase_node(node)
-    graph_module.recompile()
-
-
 def _capture_export(
     model: torch.nn.Module, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Capture:
@@ -458,7 +459,7 @@ def _capture_export(
             "or make the forward traceable by torch.fx, which calls hooked submodules)"
         )
     try:
-        with _quiet_export(), _root_hooks_suspended(model):
+        with quiet_export(), _root_hooks_suspended(model):
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # noqa: BLE001 - any export failure is a reason to try a coarser level
         raise UnsupportedModel(
@@ -467,8 +468,8 @@ def _capture_export(
         ) from error
     graph_module = exported.module()
     assert isinstance(graph_module, fx.GraphModule)
-    _check_shared_state(graph_module, model)
-    _drop_export_guards(graph_module)
+    check_shared_state(graph_module, model)
+    drop_export_guards(graph_module)
     _run_out_of_place(graph_module, model)
     leaves, spec = tree_flatten((args, kwargs))
     call = GraphCall(

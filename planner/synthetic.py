@@ -5,17 +5,23 @@ that look like what `build_activation_graph` produces for a real model, on machi
 `residual_graph` builds a stack of residual blocks, the shape of a transformer or ResNet trunk: inside
 a block a chain of operators runs beside the block's input (the residual), and the block ends with an
 addition of the two. Block boundaries are therefore the graph's cuts, as in a real transformer, and the
-solvers see the same kind of plan space. Sizes and times are drawn from a seeded generator, so a graph
-is reproducible from its arguments.
+solvers see the same kind of plan space. `dag_graph` adds the long reads that make real models DAGs:
+an encoder's output read by every decoder block (cross-attention), or a U-Net's skips read across the
+U. Sizes and times are drawn from a seeded generator, so a graph is reproducible from its arguments.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from planner.ir import ActivationGraph, Node, StaticBytes
 
-__all__ = ["residual_graph"]
+__all__ = ["DAG_KINDS", "dag_graph", "residual_graph"]
+
+DAG_KINDS = ("encoder-decoder", "u-net")
+U_NET_LEVELS = 5
+"""Skips of `dag_graph(kind="u-net")`: the outputs of five encoder blocks, each read by its mirror."""
 
 MIB = 2**20
 PARAMETER_BYTES_PER_BLOCK = 2 * MIB
@@ -155,3 +161,58 @@ def residual_graph(
     return ActivationGraph(
         nodes=tuple(nodes), storage_bytes=storage_bytes, static=static, capture="synthetic", optimizer="adam"
     )
+
+
+def _block_starts(graph: ActivationGraph) -> list[int]:
+    """Index of each block's first node (after the previous block's add)."""
+    starts = [0]
+    for index, node in enumerate(graph.nodes[:-2]):
+        if node.op == "add":
+            starts.append(index + 1)
+    return starts
+
+
+def _long_reads(graph: ActivationGraph, kind: str) -> dict[int, list[str]]:
+    """Node index -> storages it also reads and saves (made by a block far before it)."""
+    starts = _block_starts(graph)
+    ends = [start - 1 for start in starts[1:]]
+    half = len(starts) // 2
+    reads: dict[int, list[str]] = {}
+    if kind == "encoder-decoder":
+        encoder_output = graph.nodes[ends[half - 1]].creates[0]
+        for start in starts[half:]:
+            reads.setdefault(start, []).append(encoder_output)
+        return reads
+    step = max(1, (half - 1) // U_NET_LEVELS)
+    for level in range(1, min(U_NET_LEVELS, half - 1) + 1):
+        block = level * step - 1
+        mirror = len(starts) - 1 - block
+        reads.setdefault(starts[mirror], []).append(graph.nodes[ends[block]].creates[0])
+    return reads
+
+
+def dag_graph(
+    *,
+    node_count: int,
+    kind: str,
+    nodes_per_block: int = 10,
+    seed: int = 0,
+    distinct_blocks: int | None = None,
+) -> ActivationGraph:
+    """`residual_graph` with long reads: `kind="encoder-decoder"` has the first half's output read (and
+    saved, as cross-attention does) by the first operator of every later block; `kind="u-net"` has the
+    outputs of five first-half blocks read by the first operator of their mirror blocks."""
+    if kind not in DAG_KINDS:
+        raise ValueError(f"kind={kind!r} is not known; use one of {list(DAG_KINDS)}")
+    graph = residual_graph(
+        node_count=node_count, nodes_per_block=nodes_per_block, seed=seed, distinct_blocks=distinct_blocks
+    )
+    if len(_block_starts(graph)) < 4:
+        raise ValueError(f"node_count={node_count} gives fewer than 4 blocks; a DAG needs more")
+    nodes = list(graph.nodes)
+    for index, extra in _long_reads(graph, kind).items():
+        node = nodes[index]
+        nodes[index] = dataclasses.replace(
+            node, reads=(*node.reads, *extra), saves=(*node.saves, *extra), inputs=(*node.inputs, *extra)
+        )
+    return dataclasses.replace(graph, nodes=tuple(nodes))

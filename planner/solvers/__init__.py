@@ -40,7 +40,7 @@ AUTO_ILP_DETERMINISTIC_S = 1.0
 """CP-SAT's deterministic-time budget under `auto` (explicit `ilp`: DETERMINISTIC_SECONDS). Where the
 dp bound does not prove the plan optimal (many identical layers), CP-SAT's last seconds buy a fraction
 of a percent of recompute; `auto` answers in about a second instead."""
-AUTO_ILP_MAX_TRANSITIONS = 400
+AUTO_ILP_MAX_TRANSITIONS = 1500
 AUTO_ILP_MAX_NODES = 2000
 """Beyond these `auto` uses `dp`: the ILP has a constraint per point of every transition with keeps."""
 MAX_TIGHTENING = 6

@@ -3,7 +3,8 @@
 Why: `dp` and `ilp` trade optimality for time differently, and the analytic cost model is only useful
 if it orders nodes as measurement does. This script measures, on real zoo graphs and on synthetic
 residual stacks (`planner.synthetic.residual_graph`) up to 10,000 nodes, both with every block drawn
-afresh and with one block repeated (as transformer layers are):
+afresh and with one block repeated (as transformer layers are), and on DAGs up to 2,000 nodes
+(`planner.synthetic.dag_graph`: an encoder output read by every later block, U-Net skips):
 
 - per graph and solver: wall time of a cold `solve` (cut finding and region costs included; the
   fastest of `--repeats` runs, each on a fresh copy of the graph) at the budget halfway between the
@@ -37,7 +38,7 @@ import planner
 from planner.ir import ActivationGraph
 from planner.simulate import simulate, store_everything
 from planner.solvers import lowest_peak, solve
-from planner.synthetic import residual_graph
+from planner.synthetic import DAG_KINDS, dag_graph, residual_graph
 from planner.zoo import FIDELITY_ZOO, build_model
 
 log = logging.getLogger("bench.solvers")
@@ -150,16 +151,31 @@ def _correlation(
     }
 
 
-def synthetic_rows(sizes: list[int], ilp_max_nodes: int, repeats: int) -> list[dict[str, Any]]:
-    rows = []
+DAG_MAX_NODES = 2000
+"""DAG rows stop here: a 10,000-node U-Net of five skips is not a model anyone trains."""
+
+
+def synthetic_graphs(sizes: list[int]) -> list[tuple[str, ActivationGraph]]:
+    """Residual stacks (every block drawn, one block repeated) and, up to DAG_MAX_NODES, DAGs."""
+    graphs = []
     for size in sizes:
         for kind, distinct_blocks in (("drawn", None), ("repeated", 1)):
-            graph = residual_graph(node_count=size, distinct_blocks=distinct_blocks)
-            for solver in ("dp", "ilp"):
-                if solver == "ilp" and size > ilp_max_nodes:
-                    continue
-                rows.append({"graph": f"residual-{size}-{kind}", **solve_row(graph, solver, repeats=repeats)})
-                log.info("residual-%d-%s %s: %s", size, kind, solver, rows[-1])
+            graphs.append(
+                (f"residual-{size}-{kind}", residual_graph(node_count=size, distinct_blocks=distinct_blocks))
+            )
+        if size <= DAG_MAX_NODES:
+            graphs += [(f"{kind}-{size}", dag_graph(node_count=size, kind=kind)) for kind in DAG_KINDS]
+    return graphs
+
+
+def synthetic_rows(sizes: list[int], ilp_max_nodes: int, repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for name, graph in synthetic_graphs(sizes):
+        for solver in ("dp", "ilp"):
+            if solver == "ilp" and len(graph.nodes) > ilp_max_nodes:
+                continue
+            rows.append({"graph": name, **solve_row(graph, solver, repeats=repeats)})
+            log.info("%s %s: %s", name, solver, rows[-1])
     return rows
 
 
@@ -184,6 +200,16 @@ def targets(rows: list[dict[str, Any]], correlations: list[dict[str, Any]]) -> l
             "residual-2000-repeated",
             "ilp",
             lambda row: row["solve_s"] <= 10.0 and row["gap"] <= 0.01,
+        ),
+        *(
+            (
+                f"{solver} <= 10 s on a 2,000-node {kind} DAG{', gap <= 1 %' if solver == 'ilp' else ''}",
+                f"{kind}-2000",
+                solver,
+                lambda row: row["solve_s"] <= 10.0 and (row["solver"] == "dp" or row["gap"] <= 0.01),
+            )
+            for kind in DAG_KINDS
+            for solver in ("dp", "ilp")
         ),
         (
             "10,000 nodes of repeated blocks <= 30 s",

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from planner.zoo_dag import dag_calls
+
 __all__ = [
     "REAL_ZOO",
     "BranchingRoot",
@@ -47,6 +49,19 @@ __all__ = [
 
 SEED = 0
 """Seed of every build; two builds of one entry are equal tensor for tensor."""
+
+DAG_DESCRIPTIONS = {
+    "densenet_efficient": "Memory-efficient DenseNet: layers called as layer(*features) (cat, BN, ReLU, "
+    "1x1 conv, BN, ReLU, 3x3 conv, dropout), 2 blocks of 4, growth 12; batch 8 of 3x32x32.",
+    "unet_deep": "U-Net of depth 4, skips held in a list, BatchNorm; batch 4 of 3x64x64.",
+    "unet_diffusion": "Diffusion U-Net: timestep embedding added in every residual block, GroupNorm, "
+    "dropout, self-attention at the lowest level, skips in a list; (images 4x3x32x32, timesteps).",
+    "vit_torch_encoder": "ViT holding nn.TransformerEncoder (4 layers, norm_first, batch_first, width "
+    "128) as a child; batch 16 of 3x32x32.",
+    "moe_transformer": "Transformer of 4 blocks with top-2 mixture-of-experts MLPs (4 experts, "
+    "data-dependent routing that FX and export cannot trace); tokens (8, 64).",
+}
+"""The DAG-shaped entries of planner/zoo_dag.py."""
 
 HUGGING_FACE = "transformers"
 """The optional package the Hugging Face entries need."""
@@ -168,6 +183,33 @@ def _build_hf_t5() -> ExampleCall:
     source = torch.randint(config.vocab_size, (4, 32))
     target = torch.randint(config.vocab_size, (4, 24))
     return ExampleCall(hf.T5ForConditionalGeneration(config), kwargs={"input_ids": source, "labels": target})
+
+
+def _build_hf_t5_long_source() -> ExampleCall:
+    """T5 whose encoder output (128 source tokens) is read by every decoder layer's cross-attention."""
+    hf = _transformers()
+    config = hf.T5Config(
+        num_layers=3,
+        num_decoder_layers=3,
+        d_model=64,
+        d_kv=16,
+        num_heads=4,
+        d_ff=256,
+        vocab_size=512,
+        use_cache=False,
+        decoder_start_token_id=0,
+    )
+    source = torch.randint(config.vocab_size, (4, 128))
+    target = torch.randint(config.vocab_size, (4, 16))
+    return ExampleCall(hf.T5ForConditionalGeneration(config), kwargs={"input_ids": source, "labels": target})
+
+
+def _dag_call(name: str) -> Callable[[], ExampleCall]:
+    def build() -> ExampleCall:
+        model, args = dag_calls()[name]
+        return ExampleCall(model, args)
+
+    return build
 
 
 def _build_hf_vit() -> ExampleCall:
@@ -656,6 +698,18 @@ REAL_ZOO: dict[str, RealModel] = {
             "mean in the root forward; batch 256.",
             _seeded(_build_branching_root),
             capture="module",
+        ),
+        RealModel(
+            "hf_t5_long_source",
+            "Hugging Face T5 encoder-decoder, 3 + 3 layers, width 64: 128 source tokens whose encoder "
+            "output every decoder layer reads, 16 target tokens; batch 4.",
+            _seeded(_build_hf_t5_long_source),
+            capture="export",
+            requires=HUGGING_FACE,
+        ),
+        *(
+            RealModel(name, description, _seeded(_dag_call(name)), capture="fx")
+            for name, description in DAG_DESCRIPTIONS.items()
         ),
     )
 }

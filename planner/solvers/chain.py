@@ -5,19 +5,21 @@ plan space, not a property of the graph: non-reentrant checkpointing keeps whate
 region, so a region is executable whatever crosses its boundaries (skip connections, a DenseNet's
 feature list, an encoder's output read by every decoder layer, masks). The candidate boundaries are
 
-- every position where a call of a *container* starts or ends, at every depth of the module tree. A
-  container is a module some node runs inside of (a block, an attention, an encoder, a ModuleList);
-  leaf modules (a Linear, a norm) are single nodes and add no boundary. So every call of a block is a
-  candidate region, and checkpointing every block by hand is a schedule of the space; and
+- every position where a module call starts or ends, at every depth of the module tree (a block, an
+  attention, an encoder, a ModuleList's run of blocks, a leaf Linear). So every module call is a
+  candidate region, and checkpointing every block (or every instance of any module type) by hand is a
+  schedule of the space; and
 - every *cut*: a position where only the previous node's outputs cross (crossing storages smaller than
   `NEGLIGIBLE_FRACTION` of the largest activation aside), the boundaries of a chain such as a
   Sequential of leaf modules.
 
 Regions are listed along *ladders*: the boundaries of depth <= d for each depth d of the module tree,
 plus a thinned copy of any ladder longer than `LADDER_POINTS`. A checkpointed region runs between two
-points of one ladder at most `MAX_REGION_SEGMENTS` steps apart: blocks i..j of a ModuleList, a whole
-encoder, one attention, or a long run of a chain's cuts. Stored regions span one step between
-neighbouring boundaries (a stored run costs what its steps cost one by one).
+points of one ladder of depth d at most `MAX_REGION_SEGMENTS` steps apart, passing no boundary
+shallower than d: a run of sibling calls inside their parent's call (blocks i..j of a ModuleList, a
+whole encoder, one attention, a Linear). The cuts make one more ladder, free of that rule: a region
+between two cuts may span parts of several blocks, since only one storage crosses either end. Stored
+regions span one step between neighbouring boundaries (a stored run costs what its steps cost one by one).
 
 NOTE [held storages]: what a region costs depends on which of the storages crossing its start are
 already *held* (retained until backward) by earlier regions: a stored node that saved it, or a
@@ -103,8 +105,10 @@ class Chain:
 
     graph: ActivationGraph
     boundaries: tuple[int, ...]
-    ladders: tuple[tuple[int, ...], ...]
-    """Sorted subsets of `boundaries`; checkpointed regions run between two points of one ladder."""
+    depths: dict[int, int]
+    """Per boundary: the depth of the shallowest module call that starts or ends there (0: the root)."""
+    ladders: tuple[tuple[int, tuple[int, ...]], ...]
+    """(depth d, the boundaries of depth <= d, or an evenly thinned copy of them)."""
     producer: dict[str, int]
     last_read: dict[str, int]
     last_use: dict[str, int]
@@ -117,11 +121,16 @@ class Chain:
 
     @cached_property
     def checkpoint_stops(self) -> dict[int, tuple[int, ...]]:
-        """Per boundary: where a checkpointed region starting there may stop (ladder reach)."""
+        """Per boundary: where a checkpointed region starting there may stop: up to MAX_REGION_SEGMENTS
+        steps along a ladder of depth d, without passing a boundary shallower than d (a region of
+        sibling calls stays inside their parent's call)."""
         stops: dict[int, set[int]] = {start: set() for start in self.boundaries}
-        for ladder in self.ladders:
+        for depth, ladder in self.ladders:
             for i, start in enumerate(ladder[:-1]):
-                stops[start].update(ladder[i + 1 : i + 1 + MAX_REGION_SEGMENTS])
+                for stop in ladder[i + 1 : i + 1 + MAX_REGION_SEGMENTS]:
+                    stops[start].add(stop)
+                    if self.depths[stop] < depth:
+                        break
         following = dict(zip(self.boundaries[:-1], self.boundaries[1:], strict=True))
         for start, stop in following.items():
             stops[start].add(stop)
@@ -176,36 +185,46 @@ def _common_depth(left: tuple[str, ...], right: tuple[str, ...]) -> int:
 
 
 def boundary_depths(graph: ActivationGraph) -> dict[int, int]:
-    """Positions where a container call starts or ends -> the depth of the shallowest such container.
+    """Positions where a module call starts or ends -> the depth of the shallowest such module.
 
-    Containers are the proper prefixes of nodes' module paths ("layers.3" of "layers.3.mlp.fc"); the
-    root has depth 0. Between two nodes whose paths first differ at component k, the calls of the
-    containers at depth k + 1 on either side change.
+    A node runs inside the modules named by the prefixes of its module path ("layers.3.mlp.fc" runs in
+    "layers", "layers.3", "layers.3.mlp" and the leaf "layers.3.mlp.fc"); the root has depth 0. Between
+    two nodes whose paths first differ at component k, the calls of the modules at depth k + 1 on either
+    side start or end. Leaf calls (a Linear, a norm) count too: checkpointing every Linear by hand is
+    a plan of the space, if rarely a good one.
     """
     paths = [_components(node.module_path) for node in graph.nodes]
-    containers = {path[:length] for path in paths for length in range(len(path))}
     depths = {0: 0, len(graph.nodes): 0}
     for position in range(1, len(graph.nodes)):
         left, right = paths[position - 1], paths[position]
-        common = _common_depth(left, right)
-        if left[: common + 1] in containers and len(left) > common or (
-            right[: common + 1] in containers and len(right) > common
-        ):
-            depths[position] = common + 1
+        if left != right:
+            depths[position] = _common_depth(left, right) + 1
     return depths
 
 
-def _ladders(boundaries: list[int], depth_of: dict[int, int]) -> tuple[tuple[int, ...], ...]:
-    ladders: list[tuple[int, ...]] = []
+CUT_LADDER_DEPTH = -1
+"""The ladder of cuts passes any boundary: between two cuts only the cut's storage crosses, whatever
+module calls lie between them."""
+
+
+def _thinned(ladder: tuple[int, ...]) -> tuple[int, ...]:
+    step = (len(ladder) - 1) / (LADDER_POINTS - 1)
+    return tuple(sorted({ladder[round(i * step)] for i in range(LADDER_POINTS)}))
+
+
+def _ladders(
+    boundaries: list[int], depth_of: dict[int, int], cuts: list[int]
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    ladders: list[tuple[int, tuple[int, ...]]] = []
     for depth in sorted(set(depth_of.values())):
         ladder = tuple(position for position in boundaries if depth_of[position] <= depth)
-        if ladder not in ladders:
-            ladders.append(ladder)
+        ladders.append((depth, ladder))
         if len(ladder) > LADDER_POINTS:
-            step = (len(ladder) - 1) / (LADDER_POINTS - 1)
-            thinned = tuple(sorted({ladder[round(i * step)] for i in range(LADDER_POINTS)}))
-            if thinned not in ladders:
-                ladders.append(thinned)
+            ladders.append((depth, _thinned(ladder)))
+    cut_ladder = (0, *cuts, boundaries[-1])
+    if len(cut_ladder) > LADDER_POINTS:
+        cut_ladder = _thinned(cut_ladder)
+    ladders.append((CUT_LADDER_DEPTH, cut_ladder))
     return tuple(ladders)
 
 
@@ -227,7 +246,8 @@ def build_chain(graph: ActivationGraph) -> Chain:
     last_read, last_use = _last_uses(graph, producer)
     depth_of = boundary_depths(graph)
     paths = [_components(node.module_path) for node in graph.nodes]
-    for cut in _exact_cuts(graph, producer, last_use):
+    cuts = _exact_cuts(graph, producer, last_use)
+    for cut in cuts:
         sibling_depth = _common_depth(paths[cut - 1], paths[cut]) + 1
         depth_of[cut] = min(depth_of.get(cut, sibling_depth), sibling_depth)
     boundaries = sorted(depth_of)
@@ -239,7 +259,8 @@ def build_chain(graph: ActivationGraph) -> Chain:
     return Chain(
         graph=graph,
         boundaries=tuple(boundaries),
-        ladders=_ladders(boundaries, depth_of),
+        depths=depth_of,
+        ladders=_ladders(boundaries, depth_of, cuts),
         producer=producer,
         last_read=last_read,
         last_use=last_use,

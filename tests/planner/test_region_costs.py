@@ -60,8 +60,8 @@ def test_repeated_blocks_are_costed_once_per_region_shape() -> None:
     assert repeated.boundaries == drawn.boundaries
     repeated_costed, entries = distinct_regions(repeated)
     drawn_costed, drawn_entries = distinct_regions(drawn)
-    assert drawn_costed == drawn_entries == entries
-    assert repeated_costed < entries // 10
+    assert drawn_entries == entries
+    assert repeated_costed < drawn_costed // 10
 
 
 def test_repeated_blocks_repeat_sizes_and_times() -> None:

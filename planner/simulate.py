@@ -19,6 +19,15 @@ Rules (they mirror `torch.utils.checkpoint` with `use_reentrant=False`):
 - On top of the activation memory, each backward node adds its measured residual and the parameter
   gradients produced so far (see NOTE [measured residuals] in ir.py).
 
+NOTE [early stop]: non-reentrant checkpoint stops a replay as soon as the last tensor the region's
+backward needs is saved again. Autograd saves an operator's inputs before it runs the operator and its
+outputs after, so a trigger that saves only tensors made before it (a Linear saves its input) stops the
+replay before it allocates its outputs or workspace; one that saves what it makes (a ReLU its output)
+stops after. Every storage a node saves that it did not receive is among its `creates`, so the two
+cases are told apart by the graph alone (`stops_before_outputs`). The replay runs when the trigger's
+backward unpacks its first saved tensor: the gradients in flight have arrived, the gradients it
+computes (and its parameters') are not made yet (`replay_workspace_bytes`).
+
 NOTE [selective keeps]: a node in a CHECKPOINT region's `keep` runs under a selective checkpoint policy
 that saves its operators' outputs (MUST_SAVE). Everything those operators allocate
 (`allocated_bytes`) is cached from its forward until the replay; the replay does not run the node
@@ -34,6 +43,7 @@ from dataclasses import dataclass
 
 from planner.ir import (
     ActivationGraph,
+    Node,
     Phase,
     Region,
     RegionPolicy,
@@ -52,8 +62,10 @@ __all__ = [
     "recompute_trigger",
     "region_inputs",
     "replay_region",
+    "replay_workspace_bytes",
     "selective_overhead_ms",
     "simulate",
+    "stops_before_outputs",
     "storage_sizes",
     "store_everything",
 ]
@@ -199,8 +211,10 @@ def replay_region(
     recompute_ms = 0.0
     for index in range(region.start, trigger + 1):
         node = graph.nodes[index]
-        if index in keep:
+        if index in keep or (index == trigger and stops_before_outputs(node)):
             points.append(live.total_bytes)
+            if index not in keep:
+                recompute_ms += node.forward_ms
         else:
             created_bytes = sum(sizes[name] for name in node.creates if name not in live.names)
             points.append(live.total_bytes + created_bytes + node.forward_workspace_bytes)
@@ -210,6 +224,20 @@ def replay_region(
         live.finish(index)
     recompute_ms += selective_overhead_ms(graph, region)
     return Replay(points_bytes=tuple(points), kept=kept, recompute_ms=recompute_ms)
+
+
+def replay_workspace_bytes(graph: ActivationGraph, index: int) -> int:
+    """What of the trigger's backward residual is live when its replay runs (NOTE [early stop]): the
+    gradients in flight between the node before it in backward and itself, which both residuals hold."""
+    workspace = graph.nodes[index].backward_workspace_bytes
+    if index + 1 < len(graph.nodes):
+        workspace = min(workspace, graph.nodes[index + 1].backward_workspace_bytes)
+    return workspace
+
+
+def stops_before_outputs(node: Node) -> bool:
+    """Whether a replay that ends at `node` stops before the node allocates anything (NOTE [early stop])."""
+    return not set(node.saves) & set(node.creates)
 
 
 def selective_overhead_ms(graph: ActivationGraph, region: Region) -> float:
@@ -328,7 +356,13 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
                 pending.remove(name)
             replay = replay_region(graph, triggers[index], index, last_read, sizes)
             recompute_ms += replay.recompute_ms
-            components = {**base, "activations": pending.total_bytes, "recompute": replay.peak_bytes}
+            components = {
+                **static,
+                "gradients": gradient_bytes - node.parameter_gradient_bytes,
+                "workspace": replay_workspace_bytes(graph, index),
+                "activations": pending.total_bytes,
+                "recompute": replay.peak_bytes,
+            }
             timeline.observe(Phase.RECOMPUTE, node.name, components, trace)
             for name, at in replay.kept.items():
                 pending.add(f"{name}@replay", at, index)

@@ -56,6 +56,7 @@ from planner.simulate import (
     recompute_trigger,
     region_inputs,
     replay_region,
+    replay_workspace_bytes,
     storage_sizes,
 )
 
@@ -319,7 +320,13 @@ def _backward_points(
             for name in cached:
                 pending.remove(name)
             replay = replay_region(graph, region, trigger, chain.last_read, chain.sizes)
-            points.extend(pending.total_bytes + point + flowing for point in replay.points_bytes)
+            node = graph.nodes[index]
+            arrived = (
+                chain.gradient_bytes_from[index]
+                - node.parameter_gradient_bytes
+                + replay_workspace_bytes(graph, index)
+            )
+            points.extend(pending.total_bytes + point + arrived for point in replay.points_bytes)
             for name, at in replay.kept.items():
                 pending.add(f"{name}@replay", at, index)
             recompute_ms = replay.recompute_ms
@@ -532,7 +539,10 @@ class RegionCosts:
         assert not region.keep, "structure keys describe keep-free regions"
         held_inputs = held_in & self.inputs(region.start, region.stop)
         held_key = tuple(sorted(repr(self._reference(name, region.start)) for name in held_inputs))
-        key = (region.policy, held_key, tuple(self.node_keys[region.start : region.stop]))
+        nodes = self.chain.graph.nodes
+        # A replay at the region's last node sees the gradients in flight from the node after it.
+        after = nodes[region.stop].backward_workspace_bytes if region.stop < len(nodes) else None
+        key = (region.policy, held_key, after, tuple(self.node_keys[region.start : region.stop]))
         shape = self._shapes.get(key)
         if shape is None:
             shape = self._shapes[key] = self._shape(region, held_inputs)

@@ -326,6 +326,18 @@ def _selective_note(plan: Plan) -> str:
     return f"; {policy_ms:.1f} ms of it the selective policy's callbacks" if policy_ms > 0 else ""
 
 
+def _plan_space_note(plan: Plan) -> str:
+    """How far the plan is from the least recompute over its plan space, and what that space is."""
+    gap = plan.schedule.gap
+    if gap != gap:  # NaN: the solver could not bound its answer
+        quality = "least recompute not proven (a search bound was hit)"
+    elif gap == 0:
+        quality = "least recompute proven"
+    else:
+        quality = f"within {gap:.1%} of the least recompute"
+    return f"{quality}; regions start and end at module calls and cuts"
+
+
 def render_summary(plan: Plan) -> str:
     """The plain-text report of `plan` (see the module docstring for what it answers)."""
     result, baseline = plan.simulation, plan.baseline
@@ -342,6 +354,7 @@ def render_summary(plan: Plan) -> str:
         + (f"fits, {format_bytes(spare_bytes)} to spare" if spare_bytes >= 0 else "OVER the budget"),
         f"  {'predicted peak, no checkpointing':<32}{format_bytes(plan.baseline_peak_bytes):>12}",
         f"  {'lowest achievable peak':<32}{format_bytes(plan.min_peak_bytes):>12}  (predicted, any plan)",
+        f"  {'plan space':<32}{_plan_space_note(plan)}",
         f"  {'predicted saving':<32}{format_bytes(saving_bytes):>12}  "
         f"({saving_bytes / plan.baseline_peak_bytes:.1%} of no checkpointing)",
         f"  {'predicted overhead':<32}{plan.predicted_overhead:>12.1%}  "

@@ -27,7 +27,7 @@ from planner.errors import InfeasibleBudget
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule, SimulationResult
 from planner.simulate import simulate, store_everything
 from planner.solvers.chain import Chain, RegionCosts, build_chain
-from planner.solvers.dp import CostTable, dp_schedule, min_peak_schedule, region_costs, tabulate
+from planner.solvers.dp import CostTable, least_recompute, min_peak_schedule, region_costs, tabulate
 from planner.solvers.ilp import DETERMINISTIC_SECONDS, ilp_schedule
 
 log = logging.getLogger(__name__)
@@ -128,12 +128,13 @@ def solve_dp(graph: ActivationGraph, *, budget_bytes: int) -> Schedule:
     tables = _tables(graph)
     limit_bytes = budget_bytes - graph.static.resident_bytes
     for _ in range(MAX_TIGHTENING):
-        schedule = dp_schedule(tables.chain, tables.table, activation_budget_bytes=limit_bytes)
-        if schedule is None:
+        found = least_recompute(tables.chain, tables.table, activation_budget_bytes=limit_bytes)
+        if found is None:
             break
-        peak_bytes = simulate(graph, schedule).peak_bytes
+        peak_bytes = simulate(graph, found.schedule).peak_bytes
         if peak_bytes <= budget_bytes:
-            return schedule
+            # Optimal over the plan space unless a search bound was hit (NOTE [held storages] caps).
+            return dataclasses.replace(found.schedule, gap=0.0 if found.exact else float("nan"))
         limit_bytes -= peak_bytes - budget_bytes
     fallback, result = lowest_peak(graph)
     if result.peak_bytes <= budget_bytes:

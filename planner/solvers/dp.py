@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 __all__ = [
     "CostTable",
     "DpResult",
-    "dp_schedule",
     "least_recompute",
     "min_peak_schedule",
     "region_costs",
@@ -349,12 +348,6 @@ def least_recompute(chain: Chain, table: CostTable, *, activation_budget_bytes: 
         return None
     schedule = Schedule(regions=tuple(_merge_stored(found.regions)), solver="dp")
     return DpResult(schedule=schedule, recompute_ms=found.recompute_ms, exact=found.exact)
-
-
-def dp_schedule(chain: Chain, table: CostTable, *, activation_budget_bytes: float) -> Schedule | None:
-    """Least-recompute schedule whose activation-side peak is within `activation_budget_bytes`."""
-    result = least_recompute(chain, table, activation_budget_bytes=activation_budget_bytes)
-    return result.schedule if result is not None else None
 
 
 def min_peak_schedule(chain: Chain, table: CostTable) -> Schedule:

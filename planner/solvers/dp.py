@@ -12,7 +12,7 @@ at the same state retains less at the same or lower objective. Two objectives sh
 A Pareto set is a few numpy arrays (retained bytes, peak bytes, recompute ms, partial id), so extending
 it by a region and pruning it are array operations; the region that made each partial and its parent are
 kept in a `_History` for unwinding the winner. `tabulate` walks the states reachable from the first
-boundary once per graph and lists each state's transitions with their costs (`chain.RegionCosts`, which
+boundary once per graph and lists each state's transitions with their costs (`region_costs.RegionCosts`, which
 costs regions of the same structure once). The result is checked with the simulator by the caller (see
 solvers/__init__.py).
 """
@@ -28,7 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from planner.ir import Region, RegionPolicy, Schedule
-from planner.solvers.chain import Chain, RegionCosts, RegionSummary, State
+from planner.solvers.chain import Chain, RegionSummary, State
+from planner.solvers.region_costs import RegionCosts
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,9 @@ import numpy as np
 
 from planner.ir import Region, RegionPolicy, Schedule
 from planner.simulate import recompute_trigger, selective_overhead_ms
-from planner.solvers.chain import Chain, RegionCost, RegionCosts, RegionSummary, State, keep_effect
+from planner.solvers.chain import Chain, RegionCost, RegionSummary, State, keep_effect
 from planner.solvers.dp import CostTable, least_recompute
+from planner.solvers.region_costs import RegionCosts
 
 __all__ = ["IlpResult", "ilp_schedule", "keepable"]
 

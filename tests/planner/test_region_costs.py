@@ -1,4 +1,4 @@
-"""Region costs shared across repeated structure (`chain.RegionCosts`) equal `region_cost` itself."""
+"""Region costs shared across repeated structure (`region_costs.RegionCosts`) equal `region_cost` itself."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 from synthetic_graphs import random_chain
 
 from planner.ir import ActivationGraph
-from planner.solvers.chain import Chain, RegionCosts, build_chain, region_cost
+from planner.solvers.chain import Chain, build_chain, region_cost
 from planner.solvers.dp import region_costs, tabulate
+from planner.solvers.region_costs import RegionCosts
 from planner.synthetic import residual_graph
 
 GRAPHS = {

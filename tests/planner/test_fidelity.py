@@ -1,6 +1,6 @@
 """The spine's promise on every zoo model: fits, predicts within 5 %, same gradients, never worse.
 
-Budgets are `min + f * (baseline - min)` for f in 0.1, 0.5, 0.9, where min and baseline are the plan's
+Budgets are `min + f * (baseline - min)` for f in 0, 0.1, 0.5, 0.9, where min and baseline are the plan's
 own predicted lowest and no-checkpointing peaks. Measured peaks come from two real training steps
 with Adam under the live-storage tracker.
 """
@@ -16,7 +16,7 @@ from zoo_checks import assert_same_step, one_step
 import planner
 from planner.zoo import FIDELITY_ZOO, build_model
 
-FRACTIONS = (0.1, 0.5, 0.9)
+FRACTIONS = (0.0, 0.1, 0.5, 0.9)
 PREDICTION_TOLERANCE = 0.05
 
 

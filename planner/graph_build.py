@@ -78,6 +78,8 @@ class _NodeRecord:
     saves_anything: bool = False
     forward_peak_bytes: int = 0
     backward_peak_bytes: int | None = None
+    unpack_live_bytes: int | None = None
+    """Live bytes when the node's backward first unpacks a saved tensor (where a replay would run)."""
     parameter_gradient_bytes: int = 0
     allocated_bytes: int = 0
     forward_flops: int = 0
@@ -329,6 +331,14 @@ class _BackwardClock:
         self.current = name
         self.opened_at = time.perf_counter()
 
+    def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """saved_tensors_hooks unpack hook: note the live bytes at the node's first unpack."""
+        if self.current is not None and self.tracker is not None:
+            record = self.interpreter.records[self.current]
+            if record.unpack_live_bytes is None:
+                record.unpack_live_bytes = self.tracker.live_bytes
+        return tensor
+
     def close(self) -> None:
         if self.current is None:
             return
@@ -352,7 +362,7 @@ def _profile_step(
     interpreter = _ProfilingInterpreter(graph_module, tracker)
     clock = _BackwardClock(interpreter, tracker)
     hooks = []
-    with torch.autograd.graph.saved_tensors_hooks(interpreter.pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(interpreter.pack, clock.unpack):
         output = interpreter.run(*inputs)
         interpreter.env.clear()  # the interpreter keeps the output node's value; the model does not
         loss_record = _NodeRecord(
@@ -442,9 +452,17 @@ def _calibrate(graph: ActivationGraph, records: dict[str, _NodeRecord]) -> Activ
         backward_workspace = 0
         if record.backward_peak_bytes is not None:
             backward_workspace = max(0, record.backward_peak_bytes - backward_predicted[node.name])
+        replay_workspace = None
+        if record.unpack_live_bytes is not None:
+            # The node's own parameter gradients are not made yet when it unpacks (nor in the replay).
+            before_node = backward_predicted[node.name] - node.parameter_gradient_bytes
+            replay_workspace = max(0, record.unpack_live_bytes - before_node)
         calibrated.append(
             dataclasses.replace(
-                node, forward_workspace_bytes=forward_workspace, backward_workspace_bytes=backward_workspace
+                node,
+                forward_workspace_bytes=forward_workspace,
+                backward_workspace_bytes=backward_workspace,
+                replay_workspace_bytes=replay_workspace,
             )
         )
     return dataclasses.replace(graph, nodes=tuple(calibrated))

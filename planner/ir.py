@@ -59,6 +59,10 @@ class Node:
     backward_ms: float
     forward_workspace_bytes: int
     backward_workspace_bytes: int
+    replay_workspace_bytes: int | None = None
+    """Of the backward residual, what is live when the node's backward first unpacks a saved tensor (the
+    gradients in flight): where a replay the node triggers runs (NOTE [early stop] in simulate.py).
+    None where it was not measured (module-level and synthetic graphs)."""
     parameter_gradient_bytes: int = 0
     """Parameter (and input) gradient bytes that first appear during this node's backward."""
     allocated_bytes: int = 0

@@ -26,7 +26,8 @@ replay before it allocates its outputs or workspace; one that saves what it make
 stops after. Every storage a node saves that it did not receive is among its `creates`, so the two
 cases are told apart by the graph alone (`stops_before_outputs`). The replay runs when the trigger's
 backward unpacks its first saved tensor: the gradients in flight have arrived, the gradients it
-computes (and its parameters') are not made yet (`replay_workspace_bytes`).
+computes (and its parameters') are not made yet. The profiling step measures what is live at that
+unpack (`Node.replay_workspace_bytes`, see graph_build.py).
 
 NOTE [selective keeps]: a node in a CHECKPOINT region's `keep` runs under a selective checkpoint policy
 that saves its operators' outputs (MUST_SAVE). Everything those operators allocate
@@ -227,8 +228,12 @@ def replay_region(
 
 
 def replay_workspace_bytes(graph: ActivationGraph, index: int) -> int:
-    """What of the trigger's backward residual is live when its replay runs (NOTE [early stop]): the
-    gradients in flight between the node before it in backward and itself, which both residuals hold."""
+    """What of the trigger's backward residual is live when its replay runs (NOTE [early stop]): as
+    measured at the node's first unpack, or else bounded by the gradients in flight between the node
+    before it in backward and itself, which both residuals hold."""
+    measured = graph.nodes[index].replay_workspace_bytes
+    if measured is not None:
+        return measured
     workspace = graph.nodes[index].backward_workspace_bytes
     if index + 1 < len(graph.nodes):
         workspace = min(workspace, graph.nodes[index + 1].backward_workspace_bytes)

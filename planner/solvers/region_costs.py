@@ -85,6 +85,7 @@ class RegionCosts:
             node.checkpointable,
             node.forward_workspace_bytes,
             node.backward_workspace_bytes,
+            node.replay_workspace_bytes,
             node.parameter_gradient_bytes,
         )
 

@@ -26,9 +26,9 @@ from zoo_checks import StepResult, assert_same_step
 
 import planner
 from planner.measurement import default_loss
-from planner.zoo_real import DAG_DESCRIPTIONS, HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
+from planner.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
 
-PREDICTION_TOLERANCE = 0.05
+PREDICTION_TOLERANCE = 0.02
 MID_BUDGET_FRACTION = 0.5
 SOLVER = "dp"
 HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
@@ -221,15 +221,16 @@ def test_default_solver_keeps_inside_an_exported_graph_fit_and_keep_gradients(na
     assert_same_step(one_call_step(call.model, call), one_call_step(plan.module, call))
 
 
-DAG_FRACTIONS = (0.0, 0.1, 0.5)
-DAG_PREDICTION_TOLERANCE = 0.02
+LOW_FRACTIONS = (0.0, 0.1, 0.5)
+GRAPH_PLANNED = [name for name in PLANNABLE if REAL_ZOO[name].capture != "module"]
 
 
-@pytest.mark.parametrize("fraction", DAG_FRACTIONS)
-@pytest.mark.parametrize("name", entries([*DAG_DESCRIPTIONS, "hf_t5_long_source"]))
-def test_dag_models_fit_predict_within_two_percent_and_keep_gradients(name: str, fraction: float) -> None:
-    """The DAG-shaped entries at min + f * (baseline - min): measured <= budget, predicted within 2 %,
-    loss, gradients and BatchNorm statistics equal (dropout included)."""
+@pytest.mark.parametrize("fraction", LOW_FRACTIONS)
+@pytest.mark.parametrize("name", entries(GRAPH_PLANNED))
+def test_real_models_fit_predict_within_two_percent_and_keep_gradients(name: str, fraction: float) -> None:
+    """Every entry planned over its graph (the DAG-shaped ones included) at min + f * (baseline - min):
+    measured <= budget, predicted within 2 %, loss, gradients and BatchNorm statistics equal (dropout
+    included). Entries planned by submodules are over-predicted by more (README's known limits)."""
     call = build_call(name)
     reference = reference_plan(name)
     lowest, baseline = reference.min_peak_bytes, reference.baseline_peak_bytes
@@ -238,7 +239,7 @@ def test_dag_models_fit_predict_within_two_percent_and_keep_gradients(name: str,
     measured = planner.measure(copy.deepcopy(plan.module), call.args, example_kwargs=call.kwargs).peak_bytes
     assert measured <= budget, f"{name}: measured {measured} over budget {budget}\n{plan.summary()}"
     error = abs(plan.predicted_peak_bytes - measured) / measured
-    assert error <= DAG_PREDICTION_TOLERANCE, (
+    assert error <= PREDICTION_TOLERANCE, (
         f"{name}: predicted {plan.predicted_peak_bytes}, measured {measured}"
     )
     assert_same_step(one_call_step(call.model, call), one_call_step(plan.module, call))

@@ -22,12 +22,13 @@ Rules (they mirror `torch.utils.checkpoint` with `use_reentrant=False`):
 NOTE [early stop]: non-reentrant checkpoint stops a replay as soon as the last tensor the region's
 backward needs is saved again. Autograd saves an operator's inputs before it runs the operator and its
 outputs after, so a trigger that saves only tensors made before it (a Linear saves its input) stops the
-replay before it allocates its outputs or workspace; one that saves what it makes (a ReLU its output)
-stops after. Every storage a node saves that it did not receive is among its `creates`, so the two
-cases are told apart by the graph alone (`stops_before_outputs`). The replay runs when the trigger's
-backward unpacks its first saved tensor: the gradients in flight have arrived, the gradients it
-computes (and its parameters') are not made yet. The profiling step measures what is live at that
-unpack (`Node.replay_workspace_bytes`, see graph_build.py).
+replay before it allocates its outputs or workspace, and before its operator runs, so it adds no
+recompute time; one that saves what it makes (a ReLU its output) stops after. Every storage a node saves
+that it did not receive is among its `creates`, so the two cases are told apart by the graph alone
+(`stops_before_outputs`). The replay runs when the trigger's backward unpacks its first saved tensor:
+the gradients in flight have arrived, the gradients it computes (and its parameters') are not made yet.
+The profiling step measures what is live at that unpack (`Node.replay_workspace_bytes`, see
+graph_build.py).
 
 NOTE [selective keeps]: a node in a CHECKPOINT region's `keep` runs under a selective checkpoint policy
 that saves its operators' outputs (MUST_SAVE). Everything those operators allocate
@@ -63,6 +64,7 @@ __all__ = [
     "recompute_trigger",
     "region_inputs",
     "replay_region",
+    "replay_stop",
     "replay_workspace_bytes",
     "selective_overhead_ms",
     "simulate",
@@ -214,8 +216,6 @@ def replay_region(
         node = graph.nodes[index]
         if index in keep or (index == trigger and stops_before_outputs(node)):
             points.append(live.total_bytes)
-            if index not in keep:
-                recompute_ms += node.forward_ms
         else:
             created_bytes = sum(sizes[name] for name in node.creates if name not in live.names)
             points.append(live.total_bytes + created_bytes + node.forward_workspace_bytes)
@@ -243,6 +243,12 @@ def replay_workspace_bytes(graph: ActivationGraph, index: int) -> int:
 def stops_before_outputs(node: Node) -> bool:
     """Whether a replay that ends at `node` stops before the node allocates anything (NOTE [early stop])."""
     return not set(node.saves) & set(node.creates)
+
+
+def replay_stop(graph: ActivationGraph, trigger: int) -> int:
+    """One past the last node whose forward a replay up to `trigger` runs: a trigger that stops the
+    replay before its outputs never runs its operator there (NOTE [early stop]), so it costs no time."""
+    return trigger if stops_before_outputs(graph.nodes[trigger]) else trigger + 1
 
 
 def selective_overhead_ms(graph: ActivationGraph, region: Region) -> float:

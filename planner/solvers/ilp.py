@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from planner.ir import Region, RegionPolicy, Schedule
-from planner.simulate import recompute_trigger, selective_overhead_ms
+from planner.simulate import recompute_trigger, replay_stop, selective_overhead_ms
 from planner.solvers.chain import Chain, RegionCost, RegionSummary, State, keep_effect
 from planner.solvers.dp import CostTable, least_recompute
 from planner.solvers.region_costs import RegionCosts
@@ -104,7 +104,7 @@ def _allowed_keeps(chain: Chain, region: Region, candidates: list[int]) -> list[
     return [
         index
         for index in candidates
-        if region.start <= index <= trigger
+        if region.start <= index < replay_stop(chain.graph, trigger)
         and all(chain.last_use.get(name, index) < region.stop for name in chain.graph.nodes[index].creates)
     ]
 

@@ -11,7 +11,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from planner.ir import Region, RegionPolicy
-from planner.simulate import held_storages, recompute_trigger, region_inputs
+from planner.simulate import held_storages, recompute_trigger, region_inputs, replay_stop
 from planner.solvers.chain import Chain, RegionCost, RegionSummary, local_cost, storage_bytes
 
 __all__ = ["RegionCosts"]
@@ -143,7 +143,7 @@ class RegionCosts:
     def _recompute_ms(self, region: Region, shape: _Shape) -> float:
         if shape.trigger_offset is None:
             return 0.0
-        replayed_to = region.start + shape.trigger_offset + 1
+        replayed_to = replay_stop(self.chain.graph, region.start + shape.trigger_offset)
         return self.forward_ms_before[replayed_to] - self.forward_ms_before[region.start]
 
     def cost(self, region: Region, *, held_in: frozenset[str]) -> RegionCost:
@@ -157,7 +157,8 @@ class RegionCosts:
         )
         recompute_ms = 0.0
         if shape.trigger_offset is not None:
-            for node in self.chain.graph.nodes[region.start : region.start + shape.trigger_offset + 1]:
+            replayed_to = replay_stop(self.chain.graph, region.start + shape.trigger_offset)
+            for node in self.chain.graph.nodes[region.start : replayed_to]:
                 recompute_ms += node.forward_ms
         return RegionCost(
             charged_bytes=shape.charged_bytes,

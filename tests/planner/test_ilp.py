@@ -15,7 +15,7 @@ from test_solvers import all_schedules
 
 import planner.solvers as planner_solvers
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
-from planner.simulate import recompute_trigger, simulate, store_everything
+from planner.simulate import recompute_trigger, simulate, stops_before_outputs, store_everything
 from planner.solvers import _tables, lowest_peak, solve
 from planner.solvers.chain import keep_effect, region_cost
 from planner.solvers.ilp import DETERMINISTIC_SECONDS, _allowed_keeps, _load_cp_model, ilp_schedule, keepable
@@ -125,6 +125,37 @@ def test_keeps_on_a_long_stack_beat_dp_with_a_small_proven_gap() -> None:
     assert any(region.keep for region in ilp.regions)
     assert result.recompute_ms < dp_ms
     assert ilp.gap <= 0.01
+
+
+def test_a_trigger_that_ends_its_replay_before_running_is_never_kept() -> None:
+    """Its operator does not run in the replay (NOTE [early stop]), so keeping it saves no time and
+    would hold its outputs from forward to backward."""
+    graph = keepable_chain(random.Random(3), 6)
+    chain = _tables(graph).chain
+    early = [
+        (start, trigger)
+        for start in range(1, len(graph.nodes) - 1)
+        for stop in range(start + 1, len(graph.nodes))
+        if (trigger := recompute_trigger(graph, Region(start, stop, RegionPolicy.CHECKPOINT))) is not None
+        and stops_before_outputs(graph.nodes[trigger])
+        and trigger in keepable(chain)
+    ]
+    assert early, "the chain has checkpointable regions whose trigger stops the replay early"
+    for start, trigger in early:
+        region = Region(start, trigger + 1, RegionPolicy.CHECKPOINT)
+        assert trigger not in _allowed_keeps(chain, region, keepable(chain))
+        kept = Region(start, trigger + 1, RegionPolicy.CHECKPOINT, (trigger,))
+        assert recompute_ms_around(graph, kept) == pytest.approx(recompute_ms_around(graph, region))
+
+
+def recompute_ms_around(graph: ActivationGraph, middle: Region) -> float:
+    """Recompute of the schedule that stores everything but `middle`."""
+    regions = (
+        Region(0, middle.start, RegionPolicy.STORE),
+        middle,
+        Region(middle.stop, len(graph.nodes), RegionPolicy.STORE),
+    )
+    return simulate(graph, Schedule(regions=regions, solver="test")).recompute_ms
 
 
 def test_keeps_that_cost_more_than_they_save_are_dropped() -> None:

@@ -239,9 +239,23 @@ def _region_number(schedule: Schedule, index: int) -> int | None:
 
 
 def describe_peak(graph: ActivationGraph, schedule: Schedule, result: SimulationResult) -> str:
-    """Which phase sets the peak, in words: forward, backward of region k, or the optimizer step."""
-    if result.peak_phase is Phase.OPTIMIZER:
-        return "the optimizer step (parameters, gradients, optimizer state and the step's temporaries)"
+    """Which phase sets the peak, in words: forward, backward of region k (in which micro-batch, when
+    gradients are alive), unscaling, clipping or the optimizer step."""
+    if result.peak_phase.after_backward:
+        return AFTER_BACKWARD_WORDS[result.peak_phase]
+    micro_batch = f", {result.peak_micro_batch}" if result.peak_micro_batch else ""
+    return _describe_forward_backward(graph, schedule, result) + micro_batch
+
+
+AFTER_BACKWARD_WORDS = {
+    Phase.UNSCALE: "GradScaler.unscale_ (parameters, gradients, optimizer state and its temporaries)",
+    Phase.CLIP: "clip_grad_norm_ (parameters, gradients, optimizer state and the norms' temporaries)",
+    Phase.OPTIMIZER: "the optimizer step (parameters, gradients, optimizer state and the step's temporaries)",
+}
+"""How `describe_peak` names a peak set after the last backward."""
+
+
+def _describe_forward_backward(graph: ActivationGraph, schedule: Schedule, result: SimulationResult) -> str:
     index = graph.index_of(result.peak_node)
     node = graph.nodes[index]
     where = f"node {node.name}" + (f" in {display_module(node.module_path)}" if node.module_path else "")
@@ -259,7 +273,7 @@ def describe_peak(graph: ActivationGraph, schedule: Schedule, result: Simulation
 def cannot_help_reason(plan: Plan) -> str | None:
     """Why checkpointing cannot help this step, with the numbers; None when it can."""
     baseline = plan.baseline
-    if baseline.peak_phase is Phase.OPTIMIZER:
+    if baseline.peak_phase.after_backward:
         parts = peak_components(plan.graph, plan.schedule)
         step = parts[OPTIMIZER_STEP]
         labels = {**COMPONENT_LABELS, "workspace": "step temporaries"}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +142,8 @@ class StepProbe:
     optimizer_step_workspace_bytes: int
     clip_workspace_bytes: int
     unscale_workspace_bytes: int
+    grad_scaler_bytes: int
+    """GradScaler's own tensors (scale, growth tracker), alive from the first scaled loss on."""
 
 
 def _state_bytes(spec: OptimizerSpec, parameters: list[torch.nn.Parameter], device_type: str) -> int:
@@ -170,7 +173,7 @@ def probe_step_end(
 ) -> StepProbe:
     """State and temporaries of the optimizer step, clipping and unscaling over `parameters`."""
     if not parameters:
-        return StepProbe(0, 0, 0, 0)
+        return StepProbe(0, 0, 0, 0, 0)
     state_bytes = _state_bytes(spec, parameters, device_type) if spec is not None else 0
     total_elements = sum(p.numel() for p in {id(p): p for p in parameters}.values())
     scale = min(1.0, OPTIMIZER_PROBE_ELEMENTS / max(1, total_elements))
@@ -179,10 +182,14 @@ def probe_step_end(
     optimizer = _copy_optimizer(spec, stand_ins, parameters, device_type) if spec is not None else None
     tracker = LiveStorageTracker()
     tracker.track([tensor for probe in probes for tensor in (probe, probe.grad) if tensor is not None])
-    unscale_bytes = clip_bytes = workspace_bytes = 0
+    scaler_bytes = unscale_bytes = kept_bytes = clip_bytes = workspace_bytes = 0
     with tracker:
         if step.grad_scaler and optimizer is not None:
-            unscale_bytes = _temporaries(tracker, lambda: _unscale(optimizer, probes[0].device))
+            scaler = torch.amp.GradScaler(probes[0].device.type)
+            scaler_bytes = _allocated(tracker, lambda: scaler.scale(torch.ones((), device=probes[0].device)))
+            before_unscale = tracker.live_bytes
+            unscale_bytes = _temporaries(tracker, lambda: scaler.unscale_(optimizer))
+            kept_bytes = tracker.live_bytes - before_unscale
         if step.max_grad_norm is not None:
             norm = step.max_grad_norm
             clip_bytes = _temporaries(tracker, lambda: torch.nn.utils.clip_grad_norm_(probes, norm))
@@ -190,27 +197,31 @@ def probe_step_end(
             optimizer.step()  # the first step allocates the state; the second is the steady one
             workspace_bytes = _temporaries(tracker, optimizer.step)
     probed_elements = sum(p.numel() for p in probes)
+    # Clipping and unscaling allocate scalars per gradient (norms, flags), not per element, so they are
+    # not scaled; the flags unscale_ makes stay alive until scaler.update(), after the optimizer step.
     return StepProbe(
         optimizer_state_bytes=state_bytes,
-        optimizer_step_workspace_bytes=math.ceil(workspace_bytes * total_elements / probed_elements),
-        # Clipping and unscaling allocate scalars per gradient (norms, flags), not per element.
-        clip_workspace_bytes=clip_bytes,
+        optimizer_step_workspace_bytes=math.ceil(workspace_bytes * total_elements / probed_elements)
+        + kept_bytes,
+        clip_workspace_bytes=clip_bytes + kept_bytes if step.max_grad_norm is not None else 0,
         unscale_workspace_bytes=unscale_bytes,
+        grad_scaler_bytes=scaler_bytes,
     )
 
 
-def _temporaries(tracker: LiveStorageTracker, run: Any) -> int:
-    """Peak bytes `run()` allocates above what was live before it, less what it leaves alive."""
+def _temporaries(tracker: LiveStorageTracker, run: Callable[[], object]) -> int:
+    """Peak bytes above what was live before `run()`, during it (what it leaves alive included)."""
     tracker.reset_peak()
     before = tracker.live_bytes
     run()
-    return max(0, tracker.peak_bytes - max(before, tracker.live_bytes))
+    return max(0, tracker.peak_bytes - before)
 
 
-def _unscale(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    scaler = torch.amp.GradScaler(device.type)
-    scaler.scale(torch.ones((), device=device))  # creates the scale, as scaling the loss does
-    scaler.unscale_(optimizer)
+def _allocated(tracker: LiveStorageTracker, run: Callable[[], object]) -> int:
+    """Bytes `run()` leaves alive (its return value is dropped first)."""
+    before = tracker.live_bytes
+    run()
+    return tracker.live_bytes - before
 
 
 def static_bytes(
@@ -223,7 +234,8 @@ def static_bytes(
     device_type: str | None = None,
 ) -> StaticBytes:
     """Parameters, buffers and inputs (each storage once), the given gradient bytes, and what the end of
-    `step` allocates as probed: optimizer state and temporaries, clipping's and unscaling's.
+    `step` allocates as probed: optimizer state and temporaries, clipping's and unscaling's. A
+    GradScaler's own scale and growth tracker count with the buffers: they live as long.
 
     `device_type` is where the step will run ("cuda" for a plan made on the meta device for a GPU);
     by default the device of the model's parameters.
@@ -238,7 +250,7 @@ def static_bytes(
     probe = probe_step_end(optimizer, trainable, step=step or TrainingStep(), device_type=device_type)
     return StaticBytes(
         parameter_bytes=parameter_bytes,
-        buffer_bytes=buffer_bytes,
+        buffer_bytes=buffer_bytes + probe.grad_scaler_bytes,
         input_bytes=input_bytes,
         gradient_bytes=gradient_bytes,
         optimizer_state_bytes=probe.optimizer_state_bytes,

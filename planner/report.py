@@ -87,6 +87,9 @@ class LeverRule:
     optimizer_step: Mapping[str, float]
     optimizers: tuple[str, ...] = ()
     """Optimizer names (lower case prefixes) the lever applies to; empty means any."""
+    keeps_gradients: bool = False
+    """The lever keeps every parameter's gradient alive through forward and backward (accumulation):
+    the forward/backward peak then holds all of them (NOTE [accumulated gradients] in simulate.py)."""
 
 
 SHARDING_DEVICES = 2
@@ -134,9 +137,11 @@ LEVER_RULES: tuple[LeverRule, ...] = (
     ),
     LeverRule(
         name="half the batch (2 accumulation steps)",
-        assumption="inputs, activations and their temporaries scale with the batch",
+        assumption="inputs, activations and their temporaries scale with the batch; every gradient is "
+        "alive from the second micro-batch on",
         forward_backward={"inputs": 0.5, "activations": 0.5, "recompute": 0.5, "workspace": 0.5},
         optimizer_step={"inputs": 0.5},
+        keeps_gradients=True,
     ),
 )
 
@@ -178,12 +183,16 @@ def _applies(rule: LeverRule, optimizer: str) -> bool:
     return not rule.optimizers or any(optimizer.lower().startswith(name) for name in rule.optimizers)
 
 
-def estimate_levers(components: Mapping[str, Mapping[str, int]], *, optimizer: str) -> list[Lever]:
+def estimate_levers(
+    components: Mapping[str, Mapping[str, int]], *, optimizer: str, gradient_bytes: int = 0
+) -> list[Lever]:
     """Each applicable lever's estimated peak, from the components of each candidate peak.
 
     `components` maps a phase (`FORWARD_BACKWARD`, `OPTIMIZER_STEP`, or any single peak's name) to its
     bytes by component; a phase other than the optimizer step is scaled with the forward/backward
-    factors. Levers that would not lower the peak are kept: "bf16 does nothing here" is an answer.
+    factors. `gradient_bytes` (every parameter's gradient) is what a lever that keeps gradients
+    alive puts in such a phase. Levers that would not lower the peak are kept: "bf16 does nothing
+    here" is an answer.
     """
     current_bytes = max(sum(parts.values()) for parts in components.values())
     levers = []
@@ -193,6 +202,8 @@ def estimate_levers(components: Mapping[str, Mapping[str, int]], *, optimizer: s
         estimated_bytes = 0
         for phase, parts in components.items():
             factors = rule.optimizer_step if phase == OPTIMIZER_STEP else rule.forward_backward
+            if rule.keeps_gradients and phase != OPTIMIZER_STEP:
+                parts = {**parts, "gradients": max(parts.get("gradients", 0), gradient_bytes)}
             scaled = sum(round(size * factors.get(key, 1.0)) for key, size in parts.items())
             estimated_bytes = max(estimated_bytes, scaled)
         levers.append(
@@ -209,7 +220,11 @@ def estimate_levers(components: Mapping[str, Mapping[str, int]], *, optimizer: s
 def levers_at_lowest_peak(graph: ActivationGraph) -> list[Lever]:
     """The levers' estimates on top of the lowest-peak plan: what to try when no plan fits."""
     schedule, _ = lowest_peak(graph)
-    return estimate_levers(peak_components(graph, schedule), optimizer=graph.optimizer)
+    return estimate_levers(
+        peak_components(graph, schedule),
+        optimizer=graph.optimizer,
+        gradient_bytes=graph.static.accumulated_gradient_bytes,
+    )
 
 
 def render_levers(levers: list[Lever], indent: str = "    ") -> list[str]:
@@ -389,6 +404,12 @@ def render_summary(plan: Plan) -> str:
                 subsequent_indent="    ",
             ),
             "  next levers (estimates from the graph's bytes, not predictions; see planner/report.py):",
-            *render_levers(estimate_levers(components, optimizer=plan.graph.optimizer)),
+            *render_levers(
+                estimate_levers(
+                    components,
+                    optimizer=plan.graph.optimizer,
+                    gradient_bytes=plan.graph.static.accumulated_gradient_bytes,
+                )
+            ),
         ]
     return "\n".join(lines)

@@ -22,6 +22,7 @@ import torch
 
 import planner
 from planner.ir import Phase
+from planner.report import FORWARD_BACKWARD, estimate_levers, peak_components
 from planner.serialize import graph_from_dict, graph_to_dict
 from planner.zoo import GPTConfig, TinyGPT, build_model
 
@@ -165,6 +166,26 @@ def test_the_report_names_the_micro_batch_that_sets_the_peak() -> None:
     single = planner.optimize(model, inputs, budget_bytes=2**40, cost_model="analytic", device="cpu")
     assert "micro-batch" not in single.summary()
     assert plan.baseline_peak_bytes > single.baseline_peak_bytes
+
+
+def test_the_accumulation_lever_counts_the_gradients_it_keeps_alive() -> None:
+    """The report's "half the batch (2 accumulation steps)" estimate weighs accumulation against
+    checkpointing with its cost: every gradient alive in forward and backward."""
+    model, inputs = build("gpt_small")
+    plan = planner.optimize(model, inputs, budget_bytes=2**40, cost_model="analytic", device="cpu")
+    parts = peak_components(plan.graph, plan.schedule)
+    gradient_bytes = plan.graph.static.accumulated_gradient_bytes
+    name = "half the batch (2 accumulation steps)"
+    ignoring, counting = (
+        next(
+            lever
+            for lever in estimate_levers(parts, optimizer="adam", gradient_bytes=g)
+            if lever.name == name
+        )
+        for g in (0, gradient_bytes)
+    )
+    added_bytes = gradient_bytes - parts[FORWARD_BACKWARD]["gradients"]
+    assert added_bytes > 0 and counting.estimated_peak_bytes == ignoring.estimated_peak_bytes + added_bytes
 
 
 def _accumulate(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], micro_batches: int) -> None:

@@ -4,11 +4,12 @@ optimizer's state and step temporaries, with those of clipping and GradScaler's 
 Storages are counted once however many tensors share them (tied weights). The optimizer is not
 modelled from its formulas: real steps run over zero-filled stand-ins of the parameters, under the
 live-storage tracker, with the implementation PyTorch picks on the planned device (NOTE [optimizer
-implementation]). State is probed once per parameter shape. Temporaries are probed on stand-ins of
-*every* trainable parameter, in the optimizer's own parameter groups, because a foreach step holds
-temporaries the size of a whole group while a single-tensor step holds about one parameter's worth;
-beyond `OPTIMIZER_PROBE_ELEMENTS` (and on the meta device) the stand-ins are scaled down uniformly and
-the temporaries scaled back up, since they are elementwise.
+implementation]). State is probed once per parameter shape and group. A foreach or fused step holds
+temporaries the size of a whole group, so it is probed on stand-ins of every trainable parameter in
+the optimizer's own groups, scaled down uniformly beyond `OPTIMIZER_PROBE_ELEMENTS` (and on the meta
+device) and scaled back up, since the temporaries are elementwise. A single-tensor step holds about
+one parameter's worth, so it is probed exactly on full-size copies of its largest parameters, each
+with the one before it.
 
 NOTE [optimizer implementation]: `torch.optim` runs an optimizer single-tensor (a Python loop over
 parameters), foreach (multi-tensor kernels over a group) or fused. With `foreach=None` and
@@ -44,6 +45,8 @@ __all__ = [
 
 META_PROBE_ELEMENTS = 2**16
 """Elements of the CPU stand-in for a meta parameter when probing the optimizer's state."""
+OPTIMIZER_PROBES = 3
+"""Largest parameters whose single-tensor step is probed for temporaries."""
 OPTIMIZER_PROBE_ELEMENTS = 2**22
 """Elements of all stand-ins together when probing the step's temporaries (16 MiB in fp32): enough to
 make scalar temporaries (a step count per parameter) negligible, small enough to probe a 7B model."""
@@ -68,7 +71,7 @@ def _gradient_bytes_of(parameters: list[torch.nn.Parameter]) -> int:
 def optimizer_implementation(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], device_type: str
 ) -> str:
-    """ "fused", "foreach" or "single-tensor": how `optimizer` runs `group` on `device_type` (NOTE
+    """How `optimizer` runs `group` on `device_type`: "fused", "foreach" or "single-tensor" (NOTE
     [optimizer implementation])."""
     if group.get("fused"):
         return "fused"
@@ -98,14 +101,18 @@ def _implementation_flags(
 
 
 def _stand_in(parameter: torch.nn.Parameter, scale: float) -> torch.nn.Parameter:
-    """A zero-filled copy of `parameter` with about `scale` of its elements, shrinking the leading
-    dimensions first (so a matrix stays a matrix for factored optimizers), on the CPU for meta."""
+    """A zero-filled copy of `parameter` with at least `scale` of its elements, shrinking the leading
+    dimensions first (so a matrix stays a matrix for factored optimizers), on the CPU for meta.
+
+    Each dimension is rounded up, so elements(stand-in) >= scale * elements(parameter): temporaries
+    measured on stand-ins and divided by `scale` bound those of the parameters from above.
+    """
     shape = list(parameter.shape)
     remaining = scale
     for axis, size in enumerate(shape):
         if remaining >= 1.0:
             break
-        shrunk = max(1, round(size * remaining))
+        shrunk = max(1, math.ceil(size * remaining))
         remaining *= size / shrunk
         shape[axis] = shrunk
     device = torch.device("cpu") if parameter.is_meta else parameter.device
@@ -114,23 +121,44 @@ def _stand_in(parameter: torch.nn.Parameter, scale: float) -> torch.nn.Parameter
     return stand_in
 
 
+def _scale_for(parameters: list[torch.nn.Parameter], limit_elements: float) -> float:
+    """The uniform scale that brings `parameters` down to about `limit_elements` (1: full size)."""
+    total_elements = sum(p.numel() for p in {id(p): p for p in parameters}.values())
+    return min(1.0, limit_elements / max(1, total_elements))
+
+
+def _template(spec: OptimizerSpec, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer instance `spec` is, or the one a name builds over `parameters` (never stepped)."""
+    template = spec if isinstance(spec, torch.optim.Optimizer) else make_optimizer(spec, parameters)
+    assert template is not None, "callers handle optimizer=None"
+    return template
+
+
 def _copy_optimizer(
     spec: OptimizerSpec,
     stand_ins: dict[int, torch.nn.Parameter],
     parameters: list[torch.nn.Parameter],
     device_type: str,
 ) -> torch.optim.Optimizer:
-    """The optimizer `spec` over the stand-ins, in the same groups, running as on `device_type`."""
-    template = spec if isinstance(spec, torch.optim.Optimizer) else make_optimizer(spec, parameters)
-    assert template is not None
+    """The optimizer `spec` over the stand-ins, in the same groups, running as on `device_type`.
+
+    An instance built over other tensors than `parameters` (a copy of the model) is applied with its
+    defaults to all of them, as it would be to this model's parameters.
+    """
+    template = _template(spec, parameters)
     accepted = inspect.signature(type(template).__init__).parameters
     groups = []
     for group in template.param_groups:
-        settings = {k: v for k, v in group.items() if k != "params" and k in accepted}
-        settings.update(_implementation_flags(template, group, device_type))
         params = [stand_ins[id(p)] for p in group["params"] if id(p) in stand_ins]
         if params:
-            groups.append({**settings, "params": params})
+            settings = {k: v for k, v in group.items() if k != "params" and k in accepted}
+            groups.append(
+                {**settings, **_implementation_flags(template, group, device_type), "params": params}
+            )
+    if not groups:
+        settings = {k: v for k, v in template.defaults.items() if k in accepted}
+        flags = _implementation_flags(template, template.defaults, device_type)
+        groups = [{**settings, **flags, "params": list(stand_ins.values())}]
     return type(template)(groups)  # type: ignore[call-arg]  # subclasses take only params
 
 
@@ -147,13 +175,19 @@ class StepProbe:
 
 
 def _state_bytes(spec: OptimizerSpec, parameters: list[torch.nn.Parameter], device_type: str) -> int:
-    """Optimizer state of `parameters`, probed once per shape on full-size (or, for meta, scaled) copies."""
-    by_shape: dict[tuple[tuple[int, ...], torch.dtype, torch.device], int] = {}
+    """Optimizer state of `parameters`, probed once per shape and parameter group on full-size (or,
+    for meta, scaled) copies."""
+    group_of = {
+        id(p): index
+        for index, group in enumerate(_template(spec, parameters).param_groups)
+        for p in group["params"]
+    }
+    by_kind: dict[tuple[tuple[int, ...], torch.dtype, torch.device, int | None], int] = {}
     total = 0
     for parameter in parameters:
-        key = (tuple(parameter.shape), parameter.dtype, parameter.device)
-        if key not in by_shape:
-            scale = min(1.0, META_PROBE_ELEMENTS / max(1, parameter.numel())) if parameter.is_meta else 1.0
+        key = (tuple(parameter.shape), parameter.dtype, parameter.device, group_of.get(id(parameter)))
+        if key not in by_kind:
+            scale = _scale_for([parameter], META_PROBE_ELEMENTS) if parameter.is_meta else 1.0
             stand_in = _stand_in(parameter, scale)
             optimizer = _copy_optimizer(spec, {id(parameter): stand_in}, [parameter], device_type)
             optimizer.step()
@@ -161,30 +195,76 @@ def _state_bytes(spec: OptimizerSpec, parameters: list[torch.nn.Parameter], devi
             vectors = [v for v in state if v.dim() > 0]
             scalars_bytes = _unique_bytes([v for v in state if v.dim() == 0], set())
             # State is elementwise but for scalars (the step count): scale only the rest.
-            by_shape[key] = scalars_bytes + math.ceil(
+            by_kind[key] = scalars_bytes + math.ceil(
                 _unique_bytes(vectors, set()) * parameter.numel() / stand_in.numel()
             )
-        total += by_shape[key]
+        total += by_kind[key]
     return total
+
+
+def _step_temporaries(
+    spec: OptimizerSpec, parameters: list[torch.nn.Parameter], *, device_type: str, limit_elements: float
+) -> int:
+    """Peak temporaries of a steady optimizer step (the second) over stand-ins of `parameters`, scaled
+    back up: exact at full size, an upper bound when scaled (see `_stand_in`)."""
+    scale = _scale_for(parameters, limit_elements)
+    stand_ins = {id(p): _stand_in(p, scale) for p in parameters}
+    optimizer = _copy_optimizer(spec, stand_ins, parameters, device_type)
+    tracker = LiveStorageTracker()
+    tracker.track(
+        [tensor for probe in stand_ins.values() for tensor in (probe, probe.grad) if tensor is not None]
+    )
+    with tracker:
+        optimizer.step()  # the first step allocates the state
+        temporaries_bytes = _temporaries(tracker, optimizer.step)
+    return math.ceil(temporaries_bytes / scale)
+
+
+def _optimizer_step_bytes(spec: OptimizerSpec, parameters: list[torch.nn.Parameter], device_type: str) -> int:
+    """Temporaries of `optimizer.step()` as it runs on `device_type`.
+
+    Foreach and fused steps are probed over every parameter in their groups (scaled down beyond
+    `OPTIMIZER_PROBE_ELEMENTS`). A single-tensor step holds one parameter's temporaries and the
+    previous one's last (Adam's `denom`), so it is probed exactly, at full size, on each of the
+    largest parameters with the one before it.
+    """
+    template = _template(spec, parameters)
+    implementations = {
+        optimizer_implementation(template, group, device_type) for group in template.param_groups
+    }
+    if implementations != {"single-tensor"}:
+        return _step_temporaries(
+            spec, parameters, device_type=device_type, limit_elements=OPTIMIZER_PROBE_ELEMENTS
+        )
+    order = sorted(range(len(parameters)), key=lambda i: parameters[i].numel(), reverse=True)
+    pair_limit = 2 * META_PROBE_ELEMENTS if any(p.is_meta for p in parameters) else math.inf
+    return max(
+        _step_temporaries(
+            spec, parameters[max(0, i - 1) : i + 1], device_type=device_type, limit_elements=pair_limit
+        )
+        for i in order[:OPTIMIZER_PROBES]
+    )
 
 
 def probe_step_end(
     spec: OptimizerSpec, parameters: list[torch.nn.Parameter], *, step: TrainingStep, device_type: str
 ) -> StepProbe:
-    """State and temporaries of the optimizer step, clipping and unscaling over `parameters`."""
+    """State and temporaries of the optimizer step, clipping and unscaling over `parameters`.
+
+    Clipping and unscaling allocate scalars per gradient (norms, flags), not per element, so they are
+    probed on the stand-ins and not scaled; the flags `unscale_` makes stay alive until
+    `scaler.update()`, after the optimizer step, so they add to the later phases' temporaries.
+    """
     if not parameters:
         return StepProbe(0, 0, 0, 0, 0)
-    state_bytes = _state_bytes(spec, parameters, device_type) if spec is not None else 0
-    total_elements = sum(p.numel() for p in {id(p): p for p in parameters}.values())
-    scale = min(1.0, OPTIMIZER_PROBE_ELEMENTS / max(1, total_elements))
-    stand_ins = {id(p): _stand_in(p, scale) for p in parameters}
+    stand_ins = {id(p): _stand_in(p, _scale_for(parameters, OPTIMIZER_PROBE_ELEMENTS)) for p in parameters}
     probes = list(stand_ins.values())
-    optimizer = _copy_optimizer(spec, stand_ins, parameters, device_type) if spec is not None else None
     tracker = LiveStorageTracker()
     tracker.track([tensor for probe in probes for tensor in (probe, probe.grad) if tensor is not None])
-    scaler_bytes = unscale_bytes = kept_bytes = clip_bytes = workspace_bytes = 0
+    scaler_bytes = unscale_bytes = kept_bytes = clip_bytes = 0
     with tracker:
-        if step.grad_scaler and optimizer is not None:
+        if step.grad_scaler and spec is not None:
+            optimizer = _copy_optimizer(spec, stand_ins, parameters, device_type)
             scaler = torch.amp.GradScaler(probes[0].device.type)
             scaler_bytes = _allocated(tracker, lambda: scaler.scale(torch.ones((), device=probes[0].device)))
             before_unscale = tracker.live_bytes
@@ -193,16 +273,11 @@ def probe_step_end(
         if step.max_grad_norm is not None:
             norm = step.max_grad_norm
             clip_bytes = _temporaries(tracker, lambda: torch.nn.utils.clip_grad_norm_(probes, norm))
-        if optimizer is not None:
-            optimizer.step()  # the first step allocates the state; the second is the steady one
-            workspace_bytes = _temporaries(tracker, optimizer.step)
-    probed_elements = sum(p.numel() for p in probes)
-    # Clipping and unscaling allocate scalars per gradient (norms, flags), not per element, so they are
-    # not scaled; the flags unscale_ makes stay alive until scaler.update(), after the optimizer step.
+    if spec is None:
+        return StepProbe(0, 0, clip_bytes, 0, 0)
     return StepProbe(
-        optimizer_state_bytes=state_bytes,
-        optimizer_step_workspace_bytes=math.ceil(workspace_bytes * total_elements / probed_elements)
-        + kept_bytes,
+        optimizer_state_bytes=_state_bytes(spec, parameters, device_type),
+        optimizer_step_workspace_bytes=_optimizer_step_bytes(spec, parameters, device_type) + kept_bytes,
         clip_workspace_bytes=clip_bytes + kept_bytes if step.max_grad_norm is not None else 0,
         unscale_workspace_bytes=unscale_bytes,
         grad_scaler_bytes=scaler_bytes,

@@ -151,6 +151,30 @@ def test_a_named_optimizer_planned_for_a_gpu_counts_foreach_temporaries() -> Non
     assert workspace["gpu"] == workspace["cpu-foreach"] > 2 * workspace["cpu"], workspace
 
 
+def test_an_optimizer_instance_keeps_its_groups_or_applies_to_every_parameter() -> None:
+    """Per-group settings are kept (a group with SGD momentum has state, one without has none); an
+    instance over a copy of the model is applied with its defaults, as to the model itself."""
+    model, inputs = build("wide_mlp")
+    layers = list(model.children())
+
+    def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+        plan = planner.optimize(
+            model, inputs, budget_bytes=2**40, optimizer=optimizer, cost_model="analytic", device="cpu"
+        )
+        return plan.graph.static.optimizer_state_bytes
+
+    groups = [
+        {"params": [p for layer in layers[:2] for p in layer.parameters()], "momentum": 0.9},
+        {"params": [p for layer in layers[2:] for p in layer.parameters()], "momentum": 0.0},
+    ]
+    first_two_bytes = sum(p.numel() * p.element_size() for layer in layers[:2] for p in layer.parameters())
+    assert state_bytes(torch.optim.SGD(groups, lr=1e-3)) == first_two_bytes
+    copy_of_model = copy.deepcopy(model)
+    assert state_bytes(torch.optim.Adam(copy_of_model.parameters())) == state_bytes(
+        torch.optim.Adam(model.parameters())
+    )
+
+
 def test_the_report_names_the_micro_batch_that_sets_the_peak() -> None:
     model, inputs = build("gpt_small")
     plan = planner.optimize(

@@ -164,7 +164,11 @@ def _timing_note(timing: str) -> str:
 
 def peak_components(graph: ActivationGraph, schedule: Schedule) -> dict[str, dict[str, int]]:
     """Bytes by component at the forward/backward peak and at the optimizer step, under `schedule`."""
-    without_step = simulate(dataclasses.replace(graph, optimizer="none"), schedule)
+    # Only forward and backward: no optimizer step, and no unscaling or clipping after backward.
+    forward_backward_only = dataclasses.replace(graph.step, max_grad_norm=None, grad_scaler=False)
+    without_step = simulate(
+        dataclasses.replace(graph, optimizer="none", step=forward_backward_only), schedule
+    )
     components = {FORWARD_BACKWARD: dict(without_step.breakdown)}
     if graph.optimizer != "none":
         static = graph.static

@@ -134,6 +134,17 @@ def test_foreach_temporaries_are_counted_where_the_optimizer_step_sets_the_peak(
     assert peaks[True] - peaks[False] >= 0.5 * parameter_bytes, peaks
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "adafactor"])
+def test_adagrad_and_adafactor_steps_are_predicted(optimizer: str) -> None:
+    model, inputs = build("wide_mlp")
+    plan = planner.optimize(
+        model, inputs, budget_bytes=2**40, optimizer=optimizer, cost_model="analytic", device="cpu"
+    )
+    assert plan.simulation.peak_phase is Phase.OPTIMIZER
+    measured = planner.measure(copy.deepcopy(model), inputs, optimizer=optimizer).peak_bytes
+    assert abs(plan.predicted_peak_bytes - measured) <= PREDICTION_TOLERANCE * measured, measured
+
+
 def test_a_named_optimizer_planned_for_a_gpu_counts_foreach_temporaries() -> None:
     """For an H100, "adam" means foreach Adam (PyTorch's CUDA default): its step temporaries match a
     foreach Adam's probed on the CPU, and exceed the single-tensor ones that "adam" means on the CPU."""

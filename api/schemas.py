@@ -18,7 +18,15 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from api.jobs import Job, JobError, JobStatus
-from planner.ir import GRAPH_SCHEMA, PLAN_SCHEMA, ActivationGraph, Node, RegionPolicy, StaticBytes
+from planner.ir import (
+    GRAPH_SCHEMA,
+    PLAN_SCHEMA,
+    ActivationGraph,
+    Node,
+    RegionPolicy,
+    StaticBytes,
+    TrainingStep,
+)
 from planner.serialize import schedule_to_dict
 from planner.solvers import SOLVERS
 from planner.solving import Frontier
@@ -78,6 +86,8 @@ class GraphDocument(BaseModel):
     selective_op_overhead_ms: float = Field(default=0.0, ge=0.0)
     """Time a selective checkpoint policy adds per operator of a region that keeps nodes."""
     static: StaticBytes
+    step: TrainingStep = TrainingStep()
+    """The training step the static bytes and nodes describe (accumulation, clipping, GradScaler)."""
     storage_bytes: dict[str, int]
     """Bytes of each activation storage, by name."""
     nodes: list[Node] = Field(min_length=1)
@@ -92,6 +102,7 @@ class GraphDocument(BaseModel):
             optimizer=self.optimizer,
             timing=self.timing,
             selective_op_overhead_ms=self.selective_op_overhead_ms,
+            step=self.step,
         )
 
 

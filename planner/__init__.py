@@ -17,7 +17,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from planner.errors import InfeasibleBudget, InvalidGraph, PlannerError, ServiceError, UnsupportedModel
+from planner.errors import (
+    InfeasibleBudget,
+    InvalidGraph,
+    PlannerError,
+    ServiceError,
+    UnplannedStep,
+    UnsupportedModel,
+)
+from planner.ir import TrainingStep
 from planner.plan import Plan
 
 if TYPE_CHECKING:
@@ -32,6 +40,8 @@ __all__ = [
     "Plan",
     "PlannerError",
     "ServiceError",
+    "TrainingStep",
+    "UnplannedStep",
     "UnsupportedModel",
     "measure",
     "optimize",

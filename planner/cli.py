@@ -121,7 +121,15 @@ InputShapeOption = Annotated[
 ]
 SolverOption = Annotated[str, typer.Option(help="Solver from the registry (auto, dp, ilp, chen, none).")]
 OptimizerOption = Annotated[
-    str, typer.Option(help="Optimizer of the training step: adam, adamw, sgd, sgd-momentum.")
+    str,
+    typer.Option(help="Optimizer of the training step: adam, adamw, sgd, sgd-momentum, adagrad, adafactor."),
+]
+AccumulationOption = Annotated[
+    int,
+    typer.Option(min=1, help="Micro-batches per optimizer step (gradient accumulation); the inputs are one."),
+]
+MaxGradNormOption = Annotated[
+    float | None, typer.Option(help="clip_grad_norm_ to this norm before the optimizer step.")
 ]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
 
@@ -224,15 +232,24 @@ def load_target(target: str, input_shapes: list[str]) -> tuple[Any, Any]:
     _fail(f"{target} must return a torch.nn.Module or (model, example_inputs), got {type(made).__name__}")
 
 
-def _profile(target: str, input_shapes: list[str], optimizer: str, *, quiet: bool) -> Any:
+def _profile(
+    target: str,
+    input_shapes: list[str],
+    optimizer: str,
+    *,
+    accumulation_steps: int,
+    max_grad_norm: float | None,
+    quiet: bool,
+) -> Any:
     """Load the target and profile one training step: a Plan without checkpointing, with its graph."""
     import planner
 
     model, inputs = load_target(target, input_shapes)
     with _stage(f"capturing and profiling one training step of {target}", quiet=quiet):
         try:
+            step = planner.TrainingStep(accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)
             return planner.optimize(
-                model, inputs, budget_bytes=UNLIMITED_BYTES, optimizer=optimizer, solver="none"
+                model, inputs, budget_bytes=UNLIMITED_BYTES, optimizer=optimizer, step=step, solver="none"
             )
         except (planner.UnsupportedModel, ValueError, TypeError) as error:
             _fail(str(error))
@@ -254,6 +271,8 @@ def plan(
     input_shape: InputShapeOption = None,
     solver: SolverOption = "auto",
     optimizer: OptimizerOption = "adam",
+    accumulation_steps: AccumulationOption = 1,
+    max_grad_norm: MaxGradNormOption = None,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Write the plan (planner.plan/v1) here.")
     ] = None,
@@ -264,7 +283,14 @@ def plan(
     import planner
     from planner.errors import format_bytes
 
-    reference = _profile(target, input_shape or [], optimizer, quiet=quiet)
+    reference = _profile(
+        target,
+        input_shape or [],
+        optimizer,
+        accumulation_steps=accumulation_steps,
+        max_grad_norm=max_grad_norm,
+        quiet=quiet,
+    )
     with _stage(f"solving for a budget of {format_bytes(budget)} with {solver}", quiet=quiet):
         try:
             result = planner.plan_graph(reference.graph, budget_bytes=budget, solver=solver)
@@ -288,6 +314,8 @@ def pareto(
     budget: Annotated[int | None, typer.Option(help=BUDGET_HELP, parser=parse_budget, metavar="SIZE")] = None,
     solver: SolverOption = "auto",
     optimizer: OptimizerOption = "adam",
+    accumulation_steps: AccumulationOption = 1,
+    max_grad_norm: MaxGradNormOption = None,
     plot: Annotated[Path | None, typer.Option(help="Write the Pareto plot (.png/.svg) here.")] = None,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Write the frontier's points here.")
@@ -299,7 +327,14 @@ def pareto(
     from planner.errors import format_bytes
     from planner.solving import pareto_frontier
 
-    reference = _profile(target, input_shape or [], optimizer, quiet=quiet)
+    reference = _profile(
+        target,
+        input_shape or [],
+        optimizer,
+        accumulation_steps=accumulation_steps,
+        max_grad_norm=max_grad_norm,
+        quiet=quiet,
+    )
     graph = reference.graph
     with _stage(f"solving at {points} budgets with {solver}", quiet=quiet):
         frontier = pareto_frontier(graph, points=points, solver=solver)

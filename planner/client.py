@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from planner.errors import InfeasibleBudget, ServiceError
-from planner.ir import ActivationGraph
+from planner.ir import ActivationGraph, TrainingStep
 from planner.plan import Plan
 from planner.serialize import graph_to_dict, schedule_from_dict
 
@@ -121,6 +121,7 @@ class PlannerClient:
         budget_gb: float | None = None,
         budget_bytes: int | None = None,
         optimizer: OptimizerSpec = "adam",
+        step: TrainingStep | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         solver: str = "auto",
     ) -> Plan:
@@ -131,19 +132,22 @@ class PlannerClient:
         from planner.capture import capture
         from planner.graph_build import build_activation_graph
         from planner.measurement import default_loss
-        from planner.planning import _budget_bytes, _example_inputs
-        from planner.rewrite import rewrite
+        from planner.planning import _budget_bytes, _example_inputs, _training_step
+        from planner.rewrite import guard_gradients, rewrite
+        from planner.simulate import for_training_step
 
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         budget = _budget_bytes(budget_gb, budget_bytes)
+        step = _training_step(step)
         inputs = _example_inputs(example_inputs)
         captured = capture(model)
         graph = build_activation_graph(
-            captured, model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer
+            captured, model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer, step=step
         )
+        graph = for_training_step(graph, step)
         plan = self.plan_graph(graph, budget_bytes=budget, solver=solver)
-        plan.module = rewrite(model, captured.graph_module, graph, plan.schedule)
+        plan.module = guard_gradients(rewrite(model, captured.graph_module, graph, plan.schedule), step)
         return plan
 
     def _request(self, method: str, path: str, *, json: dict[str, Any] | None = None) -> dict[str, Any]:

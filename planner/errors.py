@@ -16,6 +16,7 @@ __all__ = [
     "InvalidGraph",
     "PlannerError",
     "ServiceError",
+    "UnplannedStep",
     "UnsupportedModel",
     "format_bytes",
 ]
@@ -37,6 +38,11 @@ class PlannerError(Exception):
 
 class UnsupportedModel(PlannerError):
     """The model cannot be captured or rewritten; the message names the construct and a workaround."""
+
+
+class UnplannedStep(PlannerError, RuntimeError):
+    """A planned module ran a training step its plan did not count (e.g. gradient accumulation with a
+    plan for one micro-batch); the message says how to plan that step."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.capture import Capture, has_hooks
-from planner.ir import ActivationGraph, Node, Phase
+from planner.ir import ActivationGraph, Node, Phase, TrainingStep
 from planner.measurement import (
     LiveStorageTracker,
     OptimizerSpec,
@@ -475,6 +475,7 @@ def build_activation_graph(
     *,
     loss_fn: Callable[[Any], torch.Tensor],
     optimizer: OptimizerSpec,
+    step: TrainingStep | None = None,
     cost_model: str = "measured",
     device: str | DeviceSpec | None = None,
 ) -> ActivationGraph:
@@ -482,7 +483,9 @@ def build_activation_graph(
 
     `cost_model="measured"` times each node in repeated profiling steps on the model's device;
     `"analytic"` prices it by FLOPs and bytes on `device` (see profile.py) and needs no timing run,
-    which is the only choice for a model on the meta device.
+    which is the only choice for a model on the meta device. The graph describes one micro-batch that
+    starts with no gradient; its static bytes include the end of `step` (clipping, unscaling, the
+    optimizer step), and `simulate.for_training_step` applies the rest of `step`.
     """
     graph_module = captured.graph_module
     spec = _cost_spec(model, inputs, cost_model, device)
@@ -512,7 +515,14 @@ def build_activation_graph(
         }
         backward_ms = {name: BACKWARD_FACTOR * time_ms for name, time_ms in forward_ms.items()}
     gradient_bytes = sum(record.parameter_gradient_bytes for record in interpreter.records.values())
-    static = static_bytes(model, inputs, gradient_bytes=gradient_bytes, optimizer=optimizer)
+    static = static_bytes(
+        model,
+        inputs,
+        gradient_bytes=gradient_bytes,
+        optimizer=optimizer,
+        step=step,
+        device_type=None if spec is None else spec.device_type,
+    )
     static = dataclasses.replace(
         static, buffer_bytes=static.buffer_bytes + constant_bytes(graph_module, model)
     )

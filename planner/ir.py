@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import networkx as nx
 
@@ -33,6 +34,7 @@ __all__ = [
     "SimulationResult",
     "StaticBytes",
     "TraceStep",
+    "TrainingStep",
 ]
 
 GRAPH_SCHEMA = "planner.graph/v1"
@@ -90,12 +92,88 @@ class StaticBytes:
     gradient_bytes: int
     optimizer_state_bytes: int
     optimizer_step_workspace_bytes: int
-    """Temporaries of `optimizer.step()` on top of parameters, gradients and state."""
+    """Temporaries of `optimizer.step()` on top of parameters, gradients and state, as the optimizer's
+    implementation (single-tensor, foreach or fused) runs on the planned device."""
+    accumulated_gradient_bytes: int = 0
+    """The parameters' `.grad` buffers: `gradient_bytes` less the inputs' gradients. Gradient accumulation
+    keeps these between micro-batches."""
+    resident_gradient_bytes: int = 0
+    """Gradient bytes live through forward and backward: `accumulated_gradient_bytes` when the training
+    step keeps gradients between micro-batches (see `for_training_step` in simulate.py), else 0."""
+    clip_workspace_bytes: int = 0
+    """Temporaries of `clip_grad_norm_` on top of the gradients (per-gradient norms, the total norm)."""
+    unscale_workspace_bytes: int = 0
+    """Temporaries of `GradScaler.unscale_` on top of the gradients (found-inf flags, inverse scale)."""
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes live through forward and backward of a steady-state step (gradients set to None)."""
-        return self.parameter_bytes + self.buffer_bytes + self.input_bytes + self.optimizer_state_bytes
+        """Bytes live through forward and backward of a steady-state micro-batch."""
+        return (
+            self.parameter_bytes
+            + self.buffer_bytes
+            + self.input_bytes
+            + self.optimizer_state_bytes
+            + self.resident_gradient_bytes
+        )
+
+
+@dataclass(frozen=True)
+class TrainingStep:
+    """The training step a plan's budget holds for: what runs between two `optimizer.step()` calls.
+
+    One step is `zero_grad`, then `accumulation_steps` micro-batches of forward, loss and backward,
+    then (optionally) `GradScaler.unscale_` and `clip_grad_norm_`, then `optimizer.step()`.
+    """
+
+    accumulation_steps: int = 1
+    """Micro-batches whose gradients are summed before each optimizer step (each with the example
+    inputs' size). From the second on, every parameter's gradient is alive in forward and backward."""
+    max_grad_norm: float | None = None
+    """`torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)` before the step; None: no clipping."""
+    grad_scaler: bool = False
+    """fp16 training with `torch.amp.GradScaler`: the loss is scaled and the gradients unscaled in place
+    (`scaler.unscale_`) before clipping and the step."""
+    zero_grad_set_to_none: bool = True
+    """`zero_grad(set_to_none=True)`, PyTorch's default: gradients are freed between steps. With False
+    they are zeroed in place and stay alive through every forward."""
+
+    def __post_init__(self) -> None:
+        steps = self.accumulation_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(
+                f"TrainingStep(accumulation_steps={steps!r}): must be an int >= 1 (micro-batches per "
+                "optimizer step; 1 means no accumulation)"
+            )
+        norm = self.max_grad_norm
+        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int | float) or not norm > 0):
+            raise ValueError(
+                f"TrainingStep(max_grad_norm={norm!r}): must be a positive number, or None for no clipping"
+            )
+
+    @property
+    def gradients_resident(self) -> bool:
+        """Whether gradients are alive through a micro-batch's forward and backward (some micro-batch)."""
+        return self.accumulation_steps > 1 or not self.zero_grad_set_to_none
+
+    @classmethod
+    def from_training_args(cls, args: Any) -> TrainingStep:
+        """The step Hugging Face's `Trainer` runs for `transformers.TrainingArguments` `args`:
+        `gradient_accumulation_steps`, `max_grad_norm` (0 or None: no clipping) and `fp16` (which uses a
+        GradScaler; bf16 does not). The Trainer zeroes gradients with `model.zero_grad()`, which sets
+        them to None."""
+        needed = ("gradient_accumulation_steps", "max_grad_norm", "fp16")
+        missing = [name for name in needed if not hasattr(args, name)]
+        if missing:
+            raise TypeError(
+                f"TrainingStep.from_training_args needs a transformers.TrainingArguments; "
+                f"{type(args).__name__} has no {', '.join(missing)}"
+            )
+        norm = args.max_grad_norm
+        return cls(
+            accumulation_steps=int(args.gradient_accumulation_steps),
+            max_grad_norm=float(norm) if norm else None,
+            grad_scaler=bool(args.fp16),
+        )
 
 
 @dataclass(frozen=True)
@@ -114,6 +192,8 @@ class ActivationGraph:
     selective_op_overhead_ms: float = 0.0
     """Time a selective checkpoint policy adds per dispatched operator of a region that keeps nodes
     (forward and replay together; see selective_cost.py)."""
+    step: TrainingStep = TrainingStep()
+    """The training step the graph's accounting describes (see `for_training_step` in simulate.py)."""
 
     def index_of(self, name: str) -> int:
         """Position of the node called `name` in execution order."""
@@ -180,7 +260,16 @@ class Phase(Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
     RECOMPUTE = "recompute"
+    UNSCALE = "unscale"
+    """`GradScaler.unscale_` after the last micro-batch's backward."""
+    CLIP = "clip gradients"
+    """`clip_grad_norm_` after the last micro-batch's backward."""
     OPTIMIZER = "optimizer step"
+
+    @property
+    def after_backward(self) -> bool:
+        """Whether the phase runs on the finished gradients, when no activation is alive."""
+        return self in (Phase.UNSCALE, Phase.CLIP, Phase.OPTIMIZER)
 
 
 @dataclass(frozen=True)
@@ -204,6 +293,9 @@ class SimulationResult:
     step_ms: float
     breakdown: dict[str, int]
     """Bytes by component at the peak: parameters, gradients, optimizer_state, inputs, activations, ..."""
+    peak_micro_batch: str = ""
+    """Which micro-batch sets a forward/backward peak, in words ("the second micro-batch's, with all
+    gradients alive"); empty for a single micro-batch with gradients set to None, and after backward."""
     trace: tuple[TraceStep, ...] = field(repr=False, default=())
 
     @property

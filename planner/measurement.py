@@ -11,6 +11,7 @@ is the quantity `torch.cuda.memory_allocated` reports on a GPU, less the allocat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 import weakref
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from planner.ir import TrainingStep
 
 __all__ = [
     "LiveStorageTracker",
@@ -36,9 +39,11 @@ __all__ = [
 ]
 
 OptimizerSpec = str | torch.optim.Optimizer | None
-""""adam", "adamw", "sgd", "sgd-momentum", None, or an optimizer instance over the model's parameters."""
+""""adam", "adamw", "sgd", "sgd-momentum", "adagrad", "adafactor", None, or an optimizer instance over
+the model's parameters. A name means torch.optim's class with its defaults, so its implementation
+(foreach on CUDA, single-tensor on the CPU) is PyTorch's default for the device."""
 
-OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum", "adagrad", "adafactor")
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -137,6 +142,8 @@ def make_optimizer(
         "adamw": lambda: torch.optim.AdamW(parameters, lr=1e-3),
         "sgd": lambda: torch.optim.SGD(parameters, lr=1e-3),
         "sgd-momentum": lambda: torch.optim.SGD(parameters, lr=1e-3, momentum=0.9),
+        "adagrad": lambda: torch.optim.Adagrad(parameters, lr=1e-2),
+        "adafactor": lambda: torch.optim.Adafactor(parameters, lr=1e-2),
     }
     if spec not in factories:
         raise ValueError(
@@ -173,23 +180,40 @@ def _train_step(
     loss_fn: Callable[[Any], torch.Tensor],
     optimizer: torch.optim.Optimizer | None,
     on_phase: Callable[[str], None],
+    step: TrainingStep,
+    scaler: torch.amp.GradScaler | None,
 ) -> None:
+    """One optimizer step as `step` describes it, each micro-batch on `inputs`; `on_phase` is called
+    at the end of each phase ("forward", "backward", ...) with its name."""
+    zero_grad = optimizer.zero_grad if optimizer is not None else model.zero_grad
+    zero_grad(set_to_none=step.zero_grad_set_to_none)
+    for _ in range(step.accumulation_steps):
+        for tensor in tensors_in((inputs, kwargs)):
+            tensor.grad = None  # each micro-batch gets a fresh batch; its gradient does not carry over
+        on_phase("start")
+        loss = loss_fn(model(*inputs, **kwargs))
+        end_autocast_forward()
+        on_phase("forward")
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        del loss
+        on_phase("backward")
+    if scaler is not None and optimizer is not None:
+        scaler.unscale_(optimizer)
+        on_phase("unscale")
+    if step.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], step.max_grad_norm)
+        on_phase("clip gradients")
     if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        model.zero_grad(set_to_none=True)
-    for tensor in tensors_in((inputs, kwargs)):
-        tensor.grad = None  # each step gets a fresh batch; its gradient does not carry over
-    on_phase("start")
-    loss = loss_fn(model(*inputs, **kwargs))
-    end_autocast_forward()
-    on_phase("forward")
-    loss.backward()
-    del loss
-    on_phase("backward")
-    if optimizer is not None:
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
     on_phase("optimizer step")
+
+
+def _grad_scaler(step: TrainingStep, device: torch.device) -> torch.amp.GradScaler | None:
+    return torch.amp.GradScaler(device.type) if step.grad_scaler else None
 
 
 @contextmanager
@@ -214,23 +238,28 @@ def measure_step(
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] = default_loss,
     optimizer: OptimizerSpec = "adam",
+    step: TrainingStep | None = None,
     timed_steps: int = 0,
 ) -> MeasuredStep:
-    """Run two real training steps and report their peak memory; optionally time more steps.
+    """Run two real training steps as `step` describes them (accumulation, unscaling, clipping; one
+    micro-batch by default) and report their peak memory; optionally time more steps.
 
     This trains `model`: its parameters, optimizer state and BatchNorm statistics change. Measure a
     copy (`copy.deepcopy`) when the original must stay as it is.
     """
+    step = step or TrainingStep()
     parameters = [p for p in model.parameters() if p.requires_grad]
     built = make_optimizer(optimizer, parameters)
     kwargs = dict(example_kwargs or {})
     first = next(iter(tensors_in((tuple(model.parameters()), inputs, kwargs))), None)
     device = first.device if first is not None else torch.device("cpu")
     phase_peaks: dict[str, int] = {}
+    scaler = _grad_scaler(step, device)
+    run = functools.partial(_train_step, model, inputs, kwargs, loss_fn, built, step=step, scaler=scaler)
     if device.type == "cuda":
         with _cuda_phases(device) as on_phase:
             for _ in range(2):
-                _train_step(model, inputs, kwargs, loss_fn, built, on_phase)
+                run(on_phase)
             phase_peaks = dict(on_phase.peaks)  # type: ignore[attr-defined]
     else:
         tracker = LiveStorageTracker()
@@ -249,9 +278,9 @@ def measure_step(
 
         with tracker:
             for _ in range(2):
-                _train_step(model, inputs, kwargs, loss_fn, built, on_phase)
+                run(on_phase)
     phase_peaks.pop("start", None)
-    step_ms = _median_step_ms(model, inputs, kwargs, loss_fn, built, timed_steps) if timed_steps > 0 else None
+    step_ms = _median_step_ms(run, timed_steps) if timed_steps > 0 else None
     return MeasuredStep(
         peak_bytes=max(phase_peaks.values()),
         phase_peak_bytes=phase_peaks,
@@ -260,18 +289,11 @@ def measure_step(
     )
 
 
-def _median_step_ms(
-    model: torch.nn.Module,
-    inputs: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    loss_fn: Callable[[Any], torch.Tensor],
-    optimizer: torch.optim.Optimizer | None,
-    steps: int,
-) -> float:
+def _median_step_ms(run: Callable[[Callable[[str], None]], None], steps: int) -> float:
     durations_ms = []
     for _ in range(steps):
         started = time.perf_counter()
-        _train_step(model, inputs, kwargs, loss_fn, optimizer, lambda _phase: None)
+        run(lambda _phase: None)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         durations_ms.append((time.perf_counter() - started) * 1e3)
@@ -331,10 +353,13 @@ def measure_timeline(
             samples.extend((phase, live_bytes) for live_bytes in tracker.after_each_operator)
         tracker.after_each_operator.clear()
 
+    run = functools.partial(
+        _train_step, model, inputs, kwargs, loss_fn, built, step=TrainingStep(), scaler=None
+    )
     with tracker:
-        _train_step(model, inputs, kwargs, loss_fn, built, lambda _phase: None)
+        run(lambda _phase: None)
         tracker.after_each_operator.clear()
-        _train_step(model, inputs, kwargs, loss_fn, built, on_phase)
+        run(on_phase)
     first = next(iter(tensors_in((tuple(model.parameters()), inputs, kwargs))), None)
     return MeasuredTimeline(
         samples=tuple(samples),

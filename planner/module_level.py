@@ -43,11 +43,11 @@ import torch
 from torch import nn
 
 from planner.capture import has_hooks
-from planner.ir import ActivationGraph, Node, Phase, Schedule
+from planner.ir import ActivationGraph, Node, Phase, Schedule, TrainingStep
 from planner.measurement import LiveStorageTracker, OptimizerSpec, end_autocast_forward, tensors_in
 from planner.rewrite import CheckpointedUnit
 from planner.simulate import simulate, store_everything
-from planner.static_memory import static_bytes
+from planner.static_memory import optimizer_name, static_bytes
 
 __all__ = ["MODULE_LEVEL", "UnitProfile", "candidate_units", "profile_units", "rewrite_units"]
 
@@ -305,12 +305,6 @@ def _calibrate(graph: ActivationGraph, segments: list[_Segment]) -> ActivationGr
     return dataclasses.replace(graph, nodes=tuple(nodes))
 
 
-def _optimizer_name(optimizer: OptimizerSpec) -> str:
-    if optimizer is None:
-        return "none"
-    return optimizer if isinstance(optimizer, str) else type(optimizer).__name__
-
-
 def profile_units(
     model: nn.Module,
     args: tuple[Any, ...],
@@ -318,6 +312,7 @@ def profile_units(
     *,
     loss_fn: Callable[[Any], torch.Tensor],
     optimizer: OptimizerSpec,
+    step: TrainingStep | None = None,
 ) -> UnitProfile:
     """Profile one eager training step of `model` cut at its units (model and RNG left unchanged)."""
     units = candidate_units(model)
@@ -353,13 +348,15 @@ def profile_units(
                 buffer.copy_(saved)
     segments = _known_storages_only(profiler.segments)
     gradient_bytes = sum(segment.parameter_gradient_bytes for segment in segments)
-    static = static_bytes(model, (args, kwargs), gradient_bytes=gradient_bytes, optimizer=optimizer)
+    static = static_bytes(
+        model, (args, kwargs), gradient_bytes=gradient_bytes, optimizer=optimizer, step=step
+    )
     profiled = ActivationGraph(
         nodes=tuple(_to_nodes(segments, profiler.calls)),
         storage_bytes=dict(tracker.storage_bytes),
         static=dataclasses.replace(static, optimizer_state_bytes=0),
         capture=MODULE_LEVEL,
-        optimizer=_optimizer_name(optimizer),
+        optimizer=optimizer_name(optimizer),
     )
     calibrated = _calibrate(profiled, segments)
     return UnitProfile(graph=dataclasses.replace(calibrated, static=static), units=tuple(units))

@@ -15,13 +15,14 @@ import torch
 from planner.capture import Capture, capture
 from planner.errors import GIB, UnsupportedModel
 from planner.graph_build import build_activation_graph
-from planner.ir import ActivationGraph
+from planner.ir import ActivationGraph, TrainingStep
 from planner.measurement import MeasuredStep, OptimizerSpec, default_loss, measure_step, tensors_in
 from planner.module_level import profile_units, rewrite_units
 from planner.plan import Plan
 from planner.profile import DeviceSpec
-from planner.rewrite import fully_sharded_modules, rewrite
+from planner.rewrite import fully_sharded_modules, guard_gradients, rewrite
 from planner.sharding import Sharding, shard_graph
+from planner.simulate import for_training_step
 from planner.solving import Frontier, pareto_frontier, plan_graph
 
 __all__ = ["fsdp_unit_bytes", "measure", "optimize", "pareto", "replan"]
@@ -88,6 +89,7 @@ def optimize(
     budget_gb: float | None = None,
     budget_bytes: int | None = None,
     optimizer: OptimizerSpec = "adam",
+    step: TrainingStep | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver: str = "auto",
     cost_model: str = "measured",
@@ -108,14 +110,19 @@ def optimize(
     and bytes on a named device (`cost_model="analytic", device="h100"`), which also plans a model
     built on the meta device without allocating it.
 
-    The example call is `model(*example_inputs, **example_kwargs)`. The budget is the whole step:
-    parameters, gradients, optimizer state, inputs, activations and workspace. `loss_fn(output) ->
-    scalar` defaults to the sum of the output's floating tensors. Raises `InfeasibleBudget` (a
-    ValueError) when no plan fits, with the lowest achievable peak, and `UnsupportedModel` when no
-    capture level works. The model is left unchanged; `plan.module` shares its parameters.
+    The example call is `model(*example_inputs, **example_kwargs)`, one micro-batch. `step` describes
+    the training step to fit (`TrainingStep`: gradient accumulation, clipping, GradScaler, zero_grad;
+    default one micro-batch, no clipping). The budget is the whole step: parameters, gradients,
+    optimizer state, inputs, activations and workspace, over every micro-batch and the end of the step.
+    A plan for one micro-batch refuses to run a forward while gradients are alive (`UnplannedStep`).
+    `loss_fn(output) -> scalar` defaults to the sum of the output's floating tensors. Raises
+    `InfeasibleBudget` (a ValueError) when no plan fits, with the lowest achievable peak, and
+    `UnsupportedModel` when no capture level works. The model is left unchanged; `plan.module` shares
+    its parameters.
     """
     budget = _budget_bytes(budget_gb, budget_bytes)
     placement = _sharding(world_size, sharding)
+    step = _training_step(step)
     _refuse_sharded_model(model)
     by_units = functools.partial(
         _plan_by_units,
@@ -123,6 +130,7 @@ def optimize(
         example_inputs,
         example_kwargs,
         optimizer=optimizer,
+        step=step,
         loss_fn=loss_fn,
         budget_bytes=budget,
         solver=solver,
@@ -137,6 +145,7 @@ def optimize(
             example_inputs,
             example_kwargs,
             optimizer=optimizer,
+            step=step,
             loss_fn=loss_fn,
             cost_model=cost_model,
             device=device,
@@ -149,10 +158,23 @@ def optimize(
     graph = shard_graph(
         graph, world_size=world_size, sharding=placement, unit_parameter_bytes=fsdp_unit_bytes(model)
     )
+    graph = for_training_step(graph, step)
     plan = plan_graph(graph, budget_bytes=budget, solver=solver)
     plan.rewriter = functools.partial(rewrite, model, captured.graph_module, graph, call=captured.call)
-    plan.module = plan.rewriter(plan.schedule)
+    plan.module = guard_gradients(plan.rewriter(plan.schedule), step)
     return plan
+
+
+def _training_step(step: TrainingStep | None) -> TrainingStep:
+    """The checked `step` argument: a TrainingStep, or None for one micro-batch."""
+    if step is None:
+        return TrainingStep()
+    if not isinstance(step, TrainingStep):
+        raise TypeError(
+            f"step must be a planner.TrainingStep, got {type(step).__name__} {step!r}; e.g. "
+            "step=planner.TrainingStep(accumulation_steps=4, max_grad_norm=1.0)"
+        )
+    return step
 
 
 def replan(
@@ -166,7 +188,7 @@ def replan(
         )
     replanned = plan_graph(plan.graph, budget_bytes=_budget_bytes(budget_gb, budget_bytes), solver=solver)
     replanned.rewriter = plan.rewriter
-    replanned.module = plan.rewriter(replanned.schedule)
+    replanned.module = guard_gradients(plan.rewriter(replanned.schedule), plan.graph.step)
     return replanned
 
 
@@ -183,6 +205,7 @@ def _plan_by_units(
     *,
     reason: str,
     optimizer: OptimizerSpec,
+    step: TrainingStep,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     budget_bytes: int,
     solver: str,
@@ -190,14 +213,15 @@ def _plan_by_units(
     placement: Sharding,
 ) -> Plan:
     """Plan at the module level (module_level.py); `reason` says why the finer levels were not used."""
-    graph = _profile_units(model, example_inputs, example_kwargs, reason, optimizer, loss_fn)
+    graph = _profile_units(model, example_inputs, example_kwargs, reason, optimizer, step, loss_fn)
     if placement is Sharding.FSDP:
         graph = dataclasses.replace(graph, capture=f"{graph.capture} ({FSDP_CAPTURE_NOTE})")
     graph = shard_graph(
         graph, world_size=world_size, sharding=placement, unit_parameter_bytes=fsdp_unit_bytes(model)
     )
+    graph = for_training_step(graph, step)
     plan = plan_graph(graph, budget_bytes=budget_bytes, solver=solver)
-    plan.module = rewrite_units(model, graph, plan.schedule)
+    plan.module = guard_gradients(rewrite_units(model, graph, plan.schedule), step)
     return plan
 
 
@@ -220,12 +244,13 @@ def _profile_units(
     example_kwargs: Mapping[str, Any] | None,
     reason: str,
     optimizer: OptimizerSpec,
+    step: TrainingStep,
     loss_fn: Callable[[Any], torch.Tensor] | None,
 ) -> ActivationGraph:
     """The module level of the capture chain (module_level.py), used for `reason`."""
     inputs = _example_call(example_inputs, example_kwargs)
     profile = profile_units(
-        model, inputs, example_kwargs or {}, loss_fn=loss_fn or default_loss, optimizer=optimizer
+        model, inputs, example_kwargs or {}, loss_fn=loss_fn or default_loss, optimizer=optimizer, step=step
     )
     if not any(node.checkpointable for node in profile.graph.nodes):
         raise UnsupportedModel(
@@ -276,6 +301,7 @@ def pareto(
     points: int = 8,
     budgets_bytes: Sequence[int] | None = None,
     optimizer: OptimizerSpec = "adam",
+    step: TrainingStep | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver: str = "auto",
     cost_model: str = "measured",
@@ -286,15 +312,18 @@ def pareto(
     Budgets are `budgets_bytes`, or `points` budgets from the lowest achievable peak to the peak
     without checkpointing. `frontier.plot(path)` draws it.
     """
+    step = _training_step(step)
     _, graph = _capture_and_profile(
         model,
         example_inputs,
         example_kwargs,
         optimizer=optimizer,
+        step=step,
         loss_fn=loss_fn,
         cost_model=cost_model,
         device=device,
     )
+    graph = for_training_step(graph, step)
     return pareto_frontier(graph, budgets_bytes=budgets_bytes, points=points, solver=solver)
 
 
@@ -304,6 +333,7 @@ def _capture_and_profile(
     example_kwargs: Mapping[str, Any] | None,
     *,
     optimizer: OptimizerSpec,
+    step: TrainingStep,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     cost_model: str,
     device: str | DeviceSpec | None,
@@ -320,6 +350,7 @@ def _capture_and_profile(
         captured.inputs,
         loss_fn=loss_fn or default_loss,
         optimizer=optimizer,
+        step=step,
         cost_model=cost_model,
         device=device,
     )
@@ -333,15 +364,19 @@ def measure(
     *,
     example_kwargs: Mapping[str, Any] | None = None,
     optimizer: OptimizerSpec = "adam",
+    step: TrainingStep | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     timed_steps: int = 0,
 ) -> MeasuredStep:
-    """Measured peak memory (and optionally step time) of real training steps. Trains `model`."""
+    """Measured peak memory (and optionally step time) of two real training steps, each as `step`
+    describes it (the same argument `optimize` takes; every micro-batch uses the example inputs).
+    Trains `model`."""
     return measure_step(
         model,
         _example_call(example_inputs, example_kwargs),
         example_kwargs=example_kwargs,
         loss_fn=loss_fn or default_loss,
         optimizer=optimizer,
+        step=_training_step(step),
         timed_steps=timed_steps,
     )

@@ -100,7 +100,7 @@ def timeline_positions(graph: ActivationGraph, trace: Sequence[TraceStep]) -> li
     for step in trace:
         if step.phase is Phase.FORWARD:
             positions.append(float(index_of[step.node]))
-        elif step.phase is Phase.OPTIMIZER:
+        elif step.phase.after_backward:
             positions.append(float(2 * count))
         else:
             backward = 2 * count - 1 - index_of[step.node]

@@ -36,6 +36,9 @@ class DeviceSpec:
     random_bytes_per_s: float | None = None
     """Rate at which a random operator (dropout) writes its output; None: as fast as memory. A CPU
     draws each random number in software, about ten times slower than it streams memory."""
+    device_type: str = "cuda"
+    """The torch device type a step on this device uses: it decides the optimizer's default
+    implementation (foreach on CUDA, single-tensor on the CPU; NOTE [optimizer implementation])."""
     selective_op_overhead_ms: float = 0.025
     """Host time a selective checkpoint policy adds per operator (its Python callback in forward and
     replay), as measured on this project's CPU; `selective_cost.py` measures it when times are."""
@@ -45,7 +48,12 @@ DEVICES: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("h100", flops_per_s=989e12, memory_bytes_per_s=3.35e12, overhead_ms=0.005),
     "a100": DeviceSpec("a100", flops_per_s=312e12, memory_bytes_per_s=2.0e12, overhead_ms=0.005),
     "cpu": DeviceSpec(
-        "cpu", flops_per_s=100e9, memory_bytes_per_s=20e9, overhead_ms=0.01, random_bytes_per_s=2e9
+        "cpu",
+        flops_per_s=100e9,
+        memory_bytes_per_s=20e9,
+        overhead_ms=0.01,
+        random_bytes_per_s=2e9,
+        device_type="cpu",
     ),
 }
 

@@ -87,6 +87,9 @@ class LeverRule:
     optimizer_step: Mapping[str, float]
     optimizers: tuple[str, ...] = ()
     """Optimizer names (lower case prefixes) the lever applies to; empty means any."""
+    keeps_gradients: bool = False
+    """The lever keeps every parameter's gradient alive through forward and backward (accumulation):
+    the forward/backward peak then holds all of them (NOTE [accumulated gradients] in simulate.py)."""
 
 
 SHARDING_DEVICES = 2
@@ -134,9 +137,11 @@ LEVER_RULES: tuple[LeverRule, ...] = (
     ),
     LeverRule(
         name="half the batch (2 accumulation steps)",
-        assumption="inputs, activations and their temporaries scale with the batch",
+        assumption="inputs, activations and their temporaries scale with the batch; every gradient is "
+        "alive from the second micro-batch on",
         forward_backward={"inputs": 0.5, "activations": 0.5, "recompute": 0.5, "workspace": 0.5},
         optimizer_step={"inputs": 0.5},
+        keeps_gradients=True,
     ),
 )
 
@@ -159,7 +164,11 @@ def _timing_note(timing: str) -> str:
 
 def peak_components(graph: ActivationGraph, schedule: Schedule) -> dict[str, dict[str, int]]:
     """Bytes by component at the forward/backward peak and at the optimizer step, under `schedule`."""
-    without_step = simulate(dataclasses.replace(graph, optimizer="none"), schedule)
+    # Only forward and backward: no optimizer step, and no unscaling or clipping after backward.
+    forward_backward_only = dataclasses.replace(graph.step, max_grad_norm=None, grad_scaler=False)
+    without_step = simulate(
+        dataclasses.replace(graph, optimizer="none", step=forward_backward_only), schedule
+    )
     components = {FORWARD_BACKWARD: dict(without_step.breakdown)}
     if graph.optimizer != "none":
         static = graph.static
@@ -178,12 +187,16 @@ def _applies(rule: LeverRule, optimizer: str) -> bool:
     return not rule.optimizers or any(optimizer.lower().startswith(name) for name in rule.optimizers)
 
 
-def estimate_levers(components: Mapping[str, Mapping[str, int]], *, optimizer: str) -> list[Lever]:
+def estimate_levers(
+    components: Mapping[str, Mapping[str, int]], *, optimizer: str, gradient_bytes: int = 0
+) -> list[Lever]:
     """Each applicable lever's estimated peak, from the components of each candidate peak.
 
     `components` maps a phase (`FORWARD_BACKWARD`, `OPTIMIZER_STEP`, or any single peak's name) to its
     bytes by component; a phase other than the optimizer step is scaled with the forward/backward
-    factors. Levers that would not lower the peak are kept: "bf16 does nothing here" is an answer.
+    factors. `gradient_bytes` (every parameter's gradient) is what a lever that keeps gradients
+    alive puts in such a phase. Levers that would not lower the peak are kept: "bf16 does nothing
+    here" is an answer.
     """
     current_bytes = max(sum(parts.values()) for parts in components.values())
     levers = []
@@ -193,6 +206,8 @@ def estimate_levers(components: Mapping[str, Mapping[str, int]], *, optimizer: s
         estimated_bytes = 0
         for phase, parts in components.items():
             factors = rule.optimizer_step if phase == OPTIMIZER_STEP else rule.forward_backward
+            if rule.keeps_gradients and phase != OPTIMIZER_STEP:
+                parts = {**parts, "gradients": max(parts.get("gradients", 0), gradient_bytes)}
             scaled = sum(round(size * factors.get(key, 1.0)) for key, size in parts.items())
             estimated_bytes = max(estimated_bytes, scaled)
         levers.append(
@@ -209,7 +224,11 @@ def estimate_levers(components: Mapping[str, Mapping[str, int]], *, optimizer: s
 def levers_at_lowest_peak(graph: ActivationGraph) -> list[Lever]:
     """The levers' estimates on top of the lowest-peak plan: what to try when no plan fits."""
     schedule, _ = lowest_peak(graph)
-    return estimate_levers(peak_components(graph, schedule), optimizer=graph.optimizer)
+    return estimate_levers(
+        peak_components(graph, schedule),
+        optimizer=graph.optimizer,
+        gradient_bytes=graph.static.accumulated_gradient_bytes,
+    )
 
 
 def render_levers(levers: list[Lever], indent: str = "    ") -> list[str]:
@@ -239,9 +258,23 @@ def _region_number(schedule: Schedule, index: int) -> int | None:
 
 
 def describe_peak(graph: ActivationGraph, schedule: Schedule, result: SimulationResult) -> str:
-    """Which phase sets the peak, in words: forward, backward of region k, or the optimizer step."""
-    if result.peak_phase is Phase.OPTIMIZER:
-        return "the optimizer step (parameters, gradients, optimizer state and the step's temporaries)"
+    """Which phase sets the peak, in words: forward, backward of region k (in which micro-batch, when
+    gradients are alive), unscaling, clipping or the optimizer step."""
+    if result.peak_phase.after_backward:
+        return AFTER_BACKWARD_WORDS[result.peak_phase]
+    micro_batch = f", {result.peak_micro_batch}" if result.peak_micro_batch else ""
+    return _describe_forward_backward(graph, schedule, result) + micro_batch
+
+
+AFTER_BACKWARD_WORDS = {
+    Phase.UNSCALE: "GradScaler.unscale_ (parameters, gradients, optimizer state and its temporaries)",
+    Phase.CLIP: "clip_grad_norm_ (parameters, gradients, optimizer state and the norms' temporaries)",
+    Phase.OPTIMIZER: "the optimizer step (parameters, gradients, optimizer state and the step's temporaries)",
+}
+"""How `describe_peak` names a peak set after the last backward."""
+
+
+def _describe_forward_backward(graph: ActivationGraph, schedule: Schedule, result: SimulationResult) -> str:
     index = graph.index_of(result.peak_node)
     node = graph.nodes[index]
     where = f"node {node.name}" + (f" in {display_module(node.module_path)}" if node.module_path else "")
@@ -259,7 +292,7 @@ def describe_peak(graph: ActivationGraph, schedule: Schedule, result: Simulation
 def cannot_help_reason(plan: Plan) -> str | None:
     """Why checkpointing cannot help this step, with the numbers; None when it can."""
     baseline = plan.baseline
-    if baseline.peak_phase is Phase.OPTIMIZER:
+    if baseline.peak_phase.after_backward:
         parts = peak_components(plan.graph, plan.schedule)
         step = parts[OPTIMIZER_STEP]
         labels = {**COMPONENT_LABELS, "workspace": "step temporaries"}
@@ -375,6 +408,12 @@ def render_summary(plan: Plan) -> str:
                 subsequent_indent="    ",
             ),
             "  next levers (estimates from the graph's bytes, not predictions; see planner/report.py):",
-            *render_levers(estimate_levers(components, optimizer=plan.graph.optimizer)),
+            *render_levers(
+                estimate_levers(
+                    components,
+                    optimizer=plan.graph.optimizer,
+                    gradient_bytes=plan.graph.static.accumulated_gradient_bytes,
+                )
+            ),
         ]
     return "\n".join(lines)

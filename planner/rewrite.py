@@ -41,13 +41,14 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.capture import GraphCall
-from planner.errors import UnsupportedModel
-from planner.ir import ActivationGraph, Region, Schedule
+from planner.errors import UnplannedStep, UnsupportedModel, format_bytes
+from planner.ir import ActivationGraph, Region, Schedule, TrainingStep
 
 __all__ = [
     "CheckpointedRegion",
     "CheckpointedUnit",
     "fully_sharded_modules",
+    "guard_gradients",
     "planned_graph_of",
     "rewrite",
 ]
@@ -381,6 +382,41 @@ def rewrite(
     object.__setattr__(planned, SPLIT_ATTRIBUTE, split)
     object.__setattr__(planned, CALL_ATTRIBUTE, call)
     return planned
+
+
+def guard_gradients(module: torch.nn.Module, step: TrainingStep) -> torch.nn.Module:
+    """Make `module` refuse a training forward while a parameter holds a gradient, when `step` says
+    gradients are set to None before every forward (NOTE [unplanned gradients]); returns `module`.
+
+    NOTE [unplanned gradients]: a plan for one micro-batch after `zero_grad(set_to_none=True)` counts no
+    gradient during forward. Gradient accumulation or `zero_grad(set_to_none=False)` keep every
+    parameter's gradient alive there, which can exceed the budget by the size of all gradients. The
+    planned module refuses that step at its first forward, rather than overrunning the budget silently;
+    a plan made for that step (`TrainingStep(accumulation_steps=k)`) accepts it. Only a training forward
+    with grad enabled is checked, so evaluation between backward and step still runs.
+    """
+    if step.gradients_resident:
+        return module
+    # plan.module is a shallow copy of the model: give it its own hook table before adding to it.
+    module._forward_pre_hooks = type(module._forward_pre_hooks)(module._forward_pre_hooks)
+    module.register_forward_pre_hook(_refuse_alive_gradients)
+    return module
+
+
+def _refuse_alive_gradients(module: torch.nn.Module, _args: Any) -> None:
+    if not (module.training and torch.is_grad_enabled()):
+        return
+    for name, parameter in module.named_parameters():
+        if parameter.grad is not None:
+            raise UnplannedStep(
+                f"plan.module ran a training forward while parameter {name!r} still holds a gradient "
+                f"({format_bytes(parameter.grad.untyped_storage().nbytes())}) from an earlier backward. "
+                "The plan is for one micro-batch after zero_grad(set_to_none=True), which counts no gradient "
+                "during forward; gradient accumulation or zero_grad(set_to_none=False) keep every gradient "
+                "alive here and can exceed the budget. Plan the step you run: planner.optimize(..., "
+                "step=planner.TrainingStep(accumulation_steps=k)) (or zero_grad_set_to_none=False), or "
+                "call optimizer.zero_grad(set_to_none=True) before each forward."
+            )
 
 
 def planned_graph_of(module: torch.nn.Module) -> fx.GraphModule:

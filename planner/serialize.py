@@ -9,7 +9,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from planner.ir import GRAPH_SCHEMA, ActivationGraph, Node, Region, RegionPolicy, Schedule, StaticBytes
+from planner.ir import (
+    GRAPH_SCHEMA,
+    ActivationGraph,
+    Node,
+    Region,
+    RegionPolicy,
+    Schedule,
+    StaticBytes,
+    TrainingStep,
+)
 
 __all__ = ["graph_to_dict", "graph_from_dict", "schedule_to_dict", "schedule_from_dict"]
 
@@ -28,6 +37,7 @@ def graph_to_dict(graph: ActivationGraph) -> dict[str, Any]:
         "timing": graph.timing,
         "selective_op_overhead_ms": graph.selective_op_overhead_ms,
         "static": dataclasses.asdict(graph.static),
+        "step": dataclasses.asdict(graph.step),
         "storage_bytes": dict(graph.storage_bytes),
         "nodes": [
             {**_fields_of(node), **{key: list(getattr(node, key)) for key in _TUPLE_FIELDS}}
@@ -51,12 +61,18 @@ def graph_from_dict(data: dict[str, Any]) -> ActivationGraph:
     return ActivationGraph(
         nodes=nodes,
         storage_bytes={str(name): int(size) for name, size in data["storage_bytes"].items()},
-        static=StaticBytes(**data["static"]),
+        static=_static_from_dict(data["static"]),
         capture=str(data["capture"]),
         optimizer=str(data["optimizer"]),
         timing=str(data.get("timing", "measured")),
         selective_op_overhead_ms=float(data.get("selective_op_overhead_ms", 0.0)),
+        step=TrainingStep(**data.get("step", {})),
     )
+
+
+def _static_from_dict(raw: dict[str, Any]) -> StaticBytes:
+    """Graphs written before `accumulated_gradient_bytes` existed had no input gradients apart."""
+    return StaticBytes(**{"accumulated_gradient_bytes": raw["gradient_bytes"], **raw})
 
 
 def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:

@@ -62,6 +62,8 @@ def shard_graph(
         static,
         parameter_bytes=_per_rank(static.parameter_bytes, world_size),
         gradient_bytes=_per_rank(static.gradient_bytes, world_size),
+        accumulated_gradient_bytes=_per_rank(static.accumulated_gradient_bytes, world_size),
+        resident_gradient_bytes=_per_rank(static.resident_gradient_bytes, world_size),
         optimizer_state_bytes=_per_rank(static.optimizer_state_bytes, world_size),
         optimizer_step_workspace_bytes=_per_rank(static.optimizer_step_workspace_bytes, world_size),
     )

@@ -1,9 +1,24 @@
 """Replays a schedule on an activation graph and predicts the peak memory of a training step.
 
-The step is the steady state of `zero_grad(set_to_none=True)`, forward, loss, backward, `optimizer.step()`.
-The first step differs only in that optimizer state does not exist until its optimizer step; that step
-allocates the state while every gradient is alive, which is the same peak as the steady state's
-optimizer step. So the peak over the first two steps is max(steady forward/backward, optimizer step).
+The step is the steady state of the graph's `TrainingStep` (ir.py): `zero_grad`, one or more
+micro-batches of forward, loss and backward, then `GradScaler.unscale_` and `clip_grad_norm_` when
+used, then `optimizer.step()`. The first step differs only in that optimizer state does not exist until
+its optimizer step; that step allocates the state while every gradient is alive, which is the same peak
+as the steady state's optimizer step. So the peak over the first two steps is max(steady
+forward/backward, unscale, clipping, optimizer step).
+
+NOTE [accumulated gradients]: a graph is profiled as one micro-batch after `zero_grad(set_to_none=True)`:
+parameter gradients appear as backward reaches them. From the second micro-batch on (in every
+micro-batch with `set_to_none=False`), every parameter's `.grad` is alive from the start of forward,
+and in backward autograd's AccumulateGrad adds each newly computed gradient into `.grad` in place and
+frees it: the new gradient is a transient of the node that makes it (measured on the CPU). That
+micro-batch is at least as high as the first at every point (the first holds only the gradients made
+so far), so it sets the forward/backward peak. `for_training_step` turns the profiled graph into that
+micro-batch's graph: the parameters' gradients become resident (`StaticBytes.resident_gradient_bytes`)
+and each node's `parameter_gradient_bytes` moves into its backward workspace. Solvers and the
+simulator then need no notion of micro-batches. Input gradients are new tensors in every micro-batch;
+they are made by the first nodes, at the very end of backward, so counting them as transients there
+changes nothing measurable.
 
 Rules (they mirror `torch.utils.checkpoint` with `use_reentrant=False`):
 
@@ -40,6 +55,7 @@ freed when the replay passes the node. Tests check this against measured peaks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -52,6 +68,7 @@ from planner.ir import (
     Schedule,
     SimulationResult,
     TraceStep,
+    TrainingStep,
 )
 
 __all__ = [
@@ -59,6 +76,8 @@ __all__ = [
     "Replay",
     "cache_name",
     "cached_storages",
+    "describe_micro_batch",
+    "for_training_step",
     "held_storages",
     "last_reads",
     "recompute_trigger",
@@ -72,6 +91,41 @@ __all__ = [
     "storage_sizes",
     "store_everything",
 ]
+
+
+def for_training_step(graph: ActivationGraph, step: TrainingStep) -> ActivationGraph:
+    """`graph`, profiled as one micro-batch, as the highest micro-batch of `step` sees it (NOTE
+    [accumulated gradients]); unchanged when the step keeps no gradient between micro-batches."""
+    if graph.step == step:
+        return graph
+    if graph.step != TrainingStep():
+        raise ValueError(
+            f"this graph already describes {graph.step}; apply a training step to the graph as profiled "
+            "(planner.optimize(..., step=...) profiles it again)"
+        )
+    if not step.gradients_resident:
+        return dataclasses.replace(graph, step=step)
+    nodes = tuple(
+        dataclasses.replace(
+            node,
+            backward_workspace_bytes=node.backward_workspace_bytes + node.parameter_gradient_bytes,
+            parameter_gradient_bytes=0,
+        )
+        for node in graph.nodes
+    )
+    resident_bytes = graph.static.accumulated_gradient_bytes
+    static = dataclasses.replace(graph.static, resident_gradient_bytes=resident_bytes)
+    return dataclasses.replace(graph, nodes=nodes, static=static, step=step)
+
+
+def describe_micro_batch(step: TrainingStep) -> str:
+    """Which micro-batch sets a forward/backward peak under `step`, in words (empty for one micro-batch
+    that starts with no gradient)."""
+    if not step.gradients_resident:
+        return ""
+    if step.zero_grad_set_to_none:
+        return "in the second micro-batch (and every later one), with all gradients alive"
+    return "in every micro-batch, with all gradients alive (zero_grad(set_to_none=False) keeps them)"
 
 
 def store_everything(graph: ActivationGraph, solver: str = "none") -> Schedule:
@@ -289,6 +343,7 @@ def _static_components(graph: ActivationGraph) -> dict[str, int]:
         "buffers": static.buffer_bytes,
         "inputs": static.input_bytes,
         "optimizer_state": static.optimizer_state_bytes,
+        "gradients": static.resident_gradient_bytes,
     }
 
 
@@ -316,6 +371,19 @@ def _retention(graph: ActivationGraph, schedule: Schedule) -> tuple[dict[str, in
         if trigger is not None:
             cached.update({name: trigger for name in cached_storages(graph, region)})
     return held, cached
+
+
+def _after_backward(graph: ActivationGraph) -> list[tuple[Phase, str, int]]:
+    """(phase, trace name, temporaries) of what runs on the gradients after the last backward, in order."""
+    static, step = graph.static, graph.step
+    phases = []
+    if step.grad_scaler:
+        phases.append((Phase.UNSCALE, "scaler.unscale_", static.unscale_workspace_bytes))
+    if step.max_grad_norm is not None:
+        phases.append((Phase.CLIP, "clip_grad_norm_", static.clip_workspace_bytes))
+    if graph.optimizer != "none":
+        phases.append((Phase.OPTIMIZER, "optimizer.step", static.optimizer_step_workspace_bytes))
+    return phases
 
 
 def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
@@ -361,7 +429,11 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
     for index in range(last, -1, -1):
         node = graph.nodes[index]
         gradient_bytes += node.parameter_gradient_bytes
-        base = {**static, "gradients": gradient_bytes, "workspace": node.backward_workspace_bytes}
+        base = {
+            **static,
+            "gradients": static["gradients"] + gradient_bytes,
+            "workspace": node.backward_workspace_bytes,
+        }
         if index in triggers:
             for name in taken_at.get(index, ()):
                 pending.remove(name)
@@ -369,7 +441,7 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
             recompute_ms += replay.recompute_ms
             components = {
                 **static,
-                "gradients": gradient_bytes - node.parameter_gradient_bytes,
+                "gradients": static["gradients"] + gradient_bytes - node.parameter_gradient_bytes,
                 "workspace": replay_workspace_bytes(graph, index),
                 "activations": pending.total_bytes,
                 "recompute": replay.peak_bytes,
@@ -381,13 +453,9 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
         timeline.observe(Phase.BACKWARD, node.name, components, trace)
         pending.finish(index)
 
-    if graph.optimizer != "none":
-        optimizer_components = {
-            **static,
-            "gradients": graph.static.gradient_bytes,
-            "workspace": graph.static.optimizer_step_workspace_bytes,
-        }
-        timeline.observe(Phase.OPTIMIZER, "optimizer.step", optimizer_components, trace)
+    for phase, node_name, workspace_bytes in _after_backward(graph):
+        components = {**static, "gradients": graph.static.gradient_bytes, "workspace": workspace_bytes}
+        timeline.observe(phase, node_name, components, trace)
 
     assert timeline.peak_breakdown is not None
     return SimulationResult(
@@ -397,5 +465,6 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
         recompute_ms=recompute_ms,
         step_ms=sum(node.forward_ms + node.backward_ms for node in graph.nodes),
         breakdown=timeline.peak_breakdown,
+        peak_micro_batch="" if timeline.peak_phase.after_backward else describe_micro_batch(graph.step),
         trace=tuple(trace),
     )

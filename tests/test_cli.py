@@ -114,6 +114,15 @@ def test_an_infeasible_budget_exits_3_with_the_minimum_and_the_levers(runner: Cl
     assert result.stdout == ""
 
 
+def test_plan_takes_the_training_step(runner: CliRunner, model_file: Path) -> None:
+    arguments = ["plan", f"{model_file}:model_only", "--budget", "1GB", "--input-shape", "32,16"]
+    result = runner.invoke(app, [*arguments, "--accumulation-steps", "2", "--max-grad-norm", "1.0"])
+    assert result.exit_code == 0, result.output
+    assert "in the second micro-batch (and every later one), with all gradients alive" in result.output
+    result = runner.invoke(app, [*arguments, "--accumulation-steps", "0"])
+    assert result.exit_code == 2 and "accumulation-steps" in result.output
+
+
 def test_a_factory_returning_a_model_takes_input_shapes(runner: CliRunner, model_file: Path) -> None:
     target = f"{model_file}:model_only"
     result = runner.invoke(app, ["plan", target, "--budget", "1GB", "--input-shape", "32,16", "--quiet"])

@@ -15,7 +15,7 @@ from api.settings import Settings
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(db_path=tmp_path / "jobs.sqlite3", workers=1, max_wait_s=30.0)
+    return Settings(db=tmp_path / "jobs.sqlite3", workers=1, max_wait_s=30.0)
 
 
 @pytest.fixture

@@ -15,6 +15,8 @@ from api.jobs import JobError, JobStatus, JobStore, canonical_json, request_key
 from api.worker import JobRunner, PlanJob, QueueFull, WorkerPool
 
 REQUEST = canonical_json({"graph": {"schema": "planner.graph/v1"}, "budget_bytes": 5, "solver": "dp"})
+OWNER = "test-runner"
+LEASE_S = 30.0
 
 
 def test_jobs_and_worker_do_not_import_fastapi() -> None:
@@ -28,8 +30,11 @@ def test_a_job_goes_from_queued_to_done_and_survives_reopening(tmp_path: Path) -
     store = JobStore(tmp_path / "jobs.sqlite3")
     job = store.create(request_json=REQUEST, budget_bytes=5, solver="dp")
     assert job.status is JobStatus.QUEUED and job.key == request_key(REQUEST)
-    assert store.start(job.id) and not store.start(job.id), "a job starts once"
-    store.finish(job.id, '{"schema": "planner.plan/v1"}')
+    claimed = store.claim(owner=OWNER, lease_s=LEASE_S, max_attempts=2)
+    assert claimed is not None and claimed.id == job.id and claimed.status is JobStatus.RUNNING
+    assert store.claim(owner=OWNER, lease_s=LEASE_S, max_attempts=2) is None, "a job is claimed once"
+    assert not store.finish(job.id, "{}", owner="someone-else"), "only the job's owner may finish it"
+    assert store.finish(job.id, '{"schema": "planner.plan/v1"}', owner=OWNER)
     store.close()
     reopened = JobStore(tmp_path / "jobs.sqlite3")
     done = reopened.get(job.id)
@@ -42,15 +47,19 @@ def test_a_job_goes_from_queued_to_done_and_survives_reopening(tmp_path: Path) -
 def test_failures_that_repeat_are_reused_and_others_are_not(tmp_path: Path) -> None:
     store = JobStore(tmp_path / "jobs.sqlite3")
     infeasible = store.create(request_json=REQUEST, budget_bytes=5, solver="dp")
+    store.claim(owner=OWNER, lease_s=LEASE_S, max_attempts=2)
     store.fail(
-        infeasible.id, JobError(type="infeasible_budget", message="no", budget_bytes=5, min_peak_bytes=9)
+        infeasible.id,
+        JobError(type="infeasible_budget", message="no", budget_bytes=5, min_peak_bytes=9),
+        owner=OWNER,
     )
     reused = store.find_reusable(request_key(REQUEST))
     assert reused is not None and reused.id == infeasible.id and reused.error is not None
     assert reused.error.min_peak_bytes == 9
     other = canonical_json({"x": 1})
     crashed = store.create(request_json=other, budget_bytes=5, solver="dp")
-    store.fail(crashed.id, JobError.from_exception(RuntimeError("boom")))
+    store.claim(owner=OWNER, lease_s=LEASE_S, max_attempts=2)
+    store.fail(crashed.id, JobError.from_exception(RuntimeError("boom")), owner=OWNER)
     assert store.find_reusable(request_key(other)) is None, "a bug's failure is not an answer"
     store.close()
 
@@ -59,11 +68,11 @@ def test_recover_requeues_running_jobs_and_fails_them_after_max_attempts(tmp_pat
     store = JobStore(tmp_path / "jobs.sqlite3")
     job = store.create(request_json=REQUEST, budget_bytes=5, solver="dp")
     queued = store.create(request_json=canonical_json({"y": 2}), budget_bytes=5, solver="dp")
-    store.start(job.id)
+    store.claim(owner=OWNER, lease_s=LEASE_S, max_attempts=2)
     assert store.recover(max_attempts=2) == [job.id, queued.id], (
-        "running and queued jobs run again, oldest first"
+        "running and queued jobs run again, oldest first, whatever their lease says (SQLite)"
     )
-    store.start(job.id)
+    store.claim(owner=OWNER, lease_s=LEASE_S, max_attempts=2)
     assert store.recover(max_attempts=2) == [queued.id]
     failed = store.get(job.id)
     assert failed is not None and failed.status is JobStatus.FAILED and failed.error is not None

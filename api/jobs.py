@@ -16,7 +16,8 @@ until now + `lease_s`) and renews the lease while it solves. Every later write o
 `owner` and lands only while the job is still RUNNING under it: a job cancelled meanwhile, or taken over
 after the lease expired, ignores a late answer. A RUNNING job whose lease expired is claimable again, so
 the replica that died holding it is replaced by whichever claims next; after `max_attempts` starts it is
-failed as `interrupted` instead. On SQLite one process owns the file, so at start every RUNNING job is
+failed as `interrupted` instead. `owner` stays on a finished job: it names the runner that last held it.
+On SQLite one process owns the file, so at start every RUNNING job is
 an orphan (`recover`), whatever its lease says.
 This module does not import FastAPI.
 """
@@ -268,7 +269,7 @@ class JobStore:
         return self._owned_update(
             job_id,
             owner=owner,
-            assignments="status = ?, result = ?, owner = NULL, lease_expires_at = NULL",
+            assignments="status = ?, result = ?, lease_expires_at = NULL",
             values=(JobStatus.DONE.value, result_json),
         )
 
@@ -277,7 +278,7 @@ class JobStore:
         return self._owned_update(
             job_id,
             owner=owner,
-            assignments="status = ?, error = ?, reusable = ?, owner = NULL, lease_expires_at = NULL",
+            assignments="status = ?, error = ?, reusable = ?, lease_expires_at = NULL",
             values=(JobStatus.FAILED.value, _error_json(error), int(error.repeats)),
         )
 
@@ -286,7 +287,7 @@ class JobStore:
         return self._owned_update(
             job_id,
             owner=owner,
-            assignments="status = ?, owner = NULL, lease_expires_at = NULL",
+            assignments="status = ?, lease_expires_at = NULL",
             values=(JobStatus.QUEUED.value,),
         )
 
@@ -297,7 +298,7 @@ class JobStore:
         """
         error = JobError(type="cancelled", message=reason)
         rows = self.database.run(
-            f"UPDATE jobs SET status = ?, error = ?, reusable = 0, owner = NULL, lease_expires_at = NULL, "
+            f"UPDATE jobs SET status = ?, error = ?, reusable = 0, lease_expires_at = NULL, "
             f"updated_at = {self._now} WHERE id = ? AND status IN (?, ?) RETURNING id",
             (
                 JobStatus.FAILED.value,
@@ -317,7 +318,7 @@ class JobStore:
             "planner.plan_graph to see whether it is the cause",
         )
         run(
-            f"UPDATE jobs SET status = ?, error = ?, reusable = 0, owner = NULL, lease_expires_at = NULL, "
+            f"UPDATE jobs SET status = ?, error = ?, reusable = 0, lease_expires_at = NULL, "
             f"updated_at = {self._now} WHERE status = ? AND attempts >= ? "
             f"AND (lease_expires_at < {self._now} OR ?)",
             (
@@ -340,7 +341,7 @@ class JobStore:
         with self.database.transaction() as run:
             self._fail_interrupted(run, max_attempts=max_attempts, expired_only=expired_only)
             run(
-                f"UPDATE jobs SET status = ?, owner = NULL, lease_expires_at = NULL, "
+                f"UPDATE jobs SET status = ?, lease_expires_at = NULL, "
                 f"updated_at = {self._now} WHERE status = ? AND (lease_expires_at < {self._now} OR ?)",
                 (JobStatus.QUEUED.value, JobStatus.RUNNING.value, not expired_only),
             )

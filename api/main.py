@@ -27,6 +27,7 @@ from api.limits import BodySizeLimit
 from api.metrics import ServiceMetrics
 from api.routers import health, metrics, pareto, plans
 from api.settings import Settings
+from api.solve_process import start_forkserver
 from api.worker import JobRunner, SolveLimits, WorkerPool
 
 __all__ = ["create_app"]
@@ -56,6 +57,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     )
     runner = JobRunner(store, pool, limits=limits, observer=app.state.metrics.observe_job)
     app.state.store, app.state.runner = store, runner
+    if settings.workers > 0:
+        start_forkserver()
     pool.start()
     runner.recover()
     runner.start_sweeping()

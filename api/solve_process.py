@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import threading
 import time
@@ -31,7 +32,7 @@ from multiprocessing.connection import Connection
 from api.jobs import JobError
 from planner.errors import PlannerError
 
-__all__ = ["ChildEnding", "ChildOutcome", "SolveTarget", "run_bounded"]
+__all__ = ["ChildEnding", "ChildOutcome", "SolveTarget", "run_bounded", "start_forkserver"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,12 @@ def _context() -> multiprocessing.context.ForkServerContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOADED_MODULES)
     return context
+
+
+def start_forkserver() -> None:
+    """Start the forkserver now (it imports the solvers, about a second), not at the first solve."""
+    _context()
+    multiprocessing.forkserver.ensure_running()
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

@@ -235,7 +235,6 @@ class JobRunner:
         self._futures: dict[str, Future[Job]] = {}
         self._running: dict[str, _RunningSolve] = {}
         self._stopping = threading.Event()
-        self._sweeper: threading.Thread | None = None
 
     def submit(self, request: PlanJob) -> Submission:
         """The stored job for an identical request, or a new queued one (QueueFull when none fits)."""
@@ -309,8 +308,7 @@ class JobRunner:
         """On a shared store, look for claimable jobs (another replica's, or orphaned) every lease / 4."""
         if not self.store.shared or self.pool.workers == 0:
             return
-        self._sweeper = threading.Thread(target=self._sweep, name="planner-sweeper", daemon=True)
-        self._sweeper.start()
+        threading.Thread(target=self._sweep, name="planner-sweeper", daemon=True).start()
 
     def _sweep(self) -> None:
         while not self._stopping.wait(self.limits.lease_s / 4):

@@ -10,7 +10,9 @@ Children start from a `forkserver` that has imported the solvers once (`PRELOADE
 child costs a fork, not an interpreter start, and nothing is forked from the multi-threaded server
 itself. The parent sends the request as JSON text and receives bytes (`ANSWER_RESULT` or
 `ANSWER_ERROR`, then JSON text): it never unpickles anything a child sends. A child whose server died
-(SIGKILL leaves no one to kill it) notices that it was orphaned and exits (`_exit_when_orphaned`).
+(SIGKILL leaves no one to kill it) exits as soon as the read end of its answer pipe is gone
+(`_exit_when_orphaned`). Waiting to be re-parented would not do: every forkserver child holds the pipe
+that tells the forkserver its server is alive, so the forkserver outlives the server while a child runs.
 
 This module does not import FastAPI.
 """
@@ -22,6 +24,7 @@ import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -43,8 +46,8 @@ ANSWER_RESULT = b"R"
 ANSWER_ERROR = b"E"
 PRELOADED_MODULES = ["api.solve_targets"]
 """Imported once by the forkserver, so that every child starts with the solvers loaded."""
-ORPHAN_CHECK_S = 0.5
-"""How often a child checks that the server that started it is still alive."""
+EXIT_ORPHANED = 3
+"""A child's exit status when it stopped because its server died."""
 CHECK_INTERVAL_S = 0.05
 """How often the parent looks at the child's clock and at `keep_going`."""
 
@@ -88,23 +91,25 @@ def start_forkserver() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """Exit once re-parented: the forkserver, and so the server behind it, is gone."""
-    while os.getppid() == parent_pid:
-        time.sleep(ORPHAN_CHECK_S)
-    os._exit(1)
+def _exit_when_orphaned(answer_fd: int) -> None:
+    """Exit once nobody can read the answer: a pipe's write end reports POLLERR when its readers are gone."""
+    poller = select.poll()
+    poller.register(answer_fd, 0)  # no events asked for: POLLERR and POLLHUP are always reported
+    while True:
+        for _, events in poller.poll():
+            if events & (select.POLLERR | select.POLLHUP):
+                os._exit(EXIT_ORPHANED)
 
 
 def _child_main(target: SolveTarget, request_json: str, answer: Connection) -> None:
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_when_orphaned, args=(answer.fileno(),), daemon=True).start()
     try:
         message = ANSWER_RESULT + target(request_json).encode()
     except Exception as error:  # noqa: BLE001 - every failure goes back to the parent, bugs included
         if not isinstance(error, PlannerError):
             log.exception("the solver failed unexpectedly")
         message = ANSWER_ERROR + json.dumps(asdict(JobError.from_exception(error))).encode()
-    answer.send_bytes(message)
-    answer.close()
+    answer.send_bytes(message)  # left open: the process's exit closes it, after the watcher's last look
 
 
 def _read_answer(message: bytes, elapsed_s: float) -> ChildOutcome:

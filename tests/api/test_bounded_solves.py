@@ -101,8 +101,9 @@ def test_cancel_stops_queued_and_running_jobs(database: str) -> None:
     assert posted_again["id"] != queued["id"], "a cancelled job is not an answer: posting again retries"
 
 
-def _solver_children() -> list[int]:
-    """Pids of this process's solver children: forked by the forkserver that this process started."""
+def solver_children(server_pid: int | None = None) -> list[int]:
+    """Pids of a server's solver children (this process's by default): forked by its forkserver."""
+    server_pid = os.getpid() if server_pid is None else server_pid
     processes = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -112,7 +113,7 @@ def _solver_children() -> list[int]:
             except OSError:  # the process ended while we looked
                 continue
             processes[int(entry.name)] = (int(fields[1]), b"forkserver" in command)
-    forkservers = {pid for pid, (parent, is_fork) in processes.items() if is_fork and parent == os.getpid()}
+    forkservers = {pid for pid, (parent, is_fork) in processes.items() if is_fork and parent == server_pid}
     return [pid for pid, (parent, _) in processes.items() if parent in forkservers]
 
 
@@ -122,7 +123,7 @@ def test_a_crashed_solver_process_is_retried_up_to_the_attempt_limit(database: s
         job_id = client.post("/v1/plans", json=slow_body(wait_s=0)).json()["id"]
         for attempt in (1, 2):
             wait_until(lambda n=attempt: job_in(client, job_id, "running", n), f"attempt {attempt} runs")
-            children = wait_until(_solver_children, f"attempt {attempt}'s solver process starts")
+            children = wait_until(solver_children, f"attempt {attempt}'s solver process starts")
             assert len(children) == 1, children
             os.kill(children[0], signal.SIGKILL)  # as the OOM killer would
         failed = wait_until(lambda: job_in(client, job_id, "failed"), "the job fails")

@@ -11,12 +11,13 @@ import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 from service_helpers import free_port, middle_budget, plan_body, running_server, small_graph
-from test_bounded_solves import slow_body, wait_until
+from test_bounded_solves import slow_body, solver_children, wait_until
 
 LEASE_S = "2"
 JOB_TIMEOUT_S = 90.0
@@ -52,6 +53,15 @@ def _owner_pid(owner: str) -> int:
     return int(owner.split(":")[1])
 
 
+def _running(pid: int) -> bool:
+    """True while the process exists and has not exited (a zombie awaiting its reaper has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def _get(url: str, job_id: str) -> dict[str, Any]:
     job: dict[str, Any] = httpx.get(f"{url}/v1/plans/{job_id}", timeout=10).json()
     return job
@@ -67,8 +77,14 @@ def test_a_replica_killed_mid_solve_loses_its_job_to_the_other(postgres_url: str
         holder_pid = _owner_pid(str(owner))
         (holder,) = [process for _, process in replicas if process.pid == holder_pid]
         (survivor_url, survivor) = next((url, process) for url, process in replicas if process is not holder)
+        orphans = wait_until(lambda: solver_children(holder.pid), "the holder's solver process starts")
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=10)
+        wait_until(
+            lambda: not any(_running(pid) for pid in orphans),
+            "the dead replica's solver process exits too (it would hold a core for nothing)",
+            timeout_s=5,
+        )
         job = wait_until(
             lambda: (job := _get(survivor_url, job_id))["status"] in ("done", "failed") and job,
             "the surviving replica finishes the job",

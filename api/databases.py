@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["Database", "PostgresDatabase", "Rows", "SqliteDatabase", "open_database", "redact_url"]
+__all__ = ["Database", "PostgresDatabase", "Rows", "Run", "SqliteDatabase", "open_database", "redact_url"]
 
 Rows = list[tuple[Any, ...]]
 Run = Callable[[str, tuple[Any, ...]], Rows]

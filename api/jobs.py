@@ -17,8 +17,8 @@ until now + `lease_s`) and renews the lease while it solves. Every later write o
 after the lease expired, ignores a late answer. A RUNNING job whose lease expired is claimable again, so
 the replica that died holding it is replaced by whichever claims next; after `max_attempts` starts it is
 failed as `interrupted` instead. `owner` stays on a finished job: it names the runner that last held it.
-On SQLite one process owns the file, so at start every RUNNING job is
-an orphan (`recover`), whatever its lease says.
+On SQLite one process owns the file, so at start every RUNNING job is an orphan (`recover`), whatever
+its lease says.
 This module does not import FastAPI.
 """
 
@@ -33,7 +33,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from api.databases import Database, Rows, open_database
+from api.databases import Database, Rows, Run, open_database
 from planner.errors import InfeasibleBudget, InvalidGraph, PlannerError
 
 __all__ = ["Job", "JobError", "JobStatus", "JobStore", "canonical_json", "request_key"]
@@ -310,7 +310,7 @@ class JobStore:
         )
         return bool(rows)
 
-    def _fail_interrupted(self, run: Any, *, max_attempts: int, expired_only: bool) -> None:
+    def _fail_interrupted(self, run: Run, *, max_attempts: int, expired_only: bool) -> None:
         interrupted = JobError(
             type="interrupted",
             message=f"the service stopped while solving this job {max_attempts} time(s); it is not "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -121,3 +122,26 @@ def test_identical_submissions_share_one_job_and_one_future(tmp_path: Path) -> N
     assert third.reused and third.done is None and third.job.status is JobStatus.DONE
     pool.stop(timeout_s=5)
     store.close()
+
+
+def test_a_database_from_before_leases_is_migrated_and_its_running_job_recovered(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.sqlite3"
+    with sqlite3.connect(path) as old:  # schema 1, as the service wrote it before leases existed
+        old.executescript(
+            "CREATE TABLE jobs (id TEXT PRIMARY KEY, request_key TEXT NOT NULL, status TEXT NOT NULL, "
+            "request TEXT NOT NULL, budget_bytes INTEGER NOT NULL, solver TEXT NOT NULL, result TEXT, "
+            "error TEXT, reusable INTEGER NOT NULL DEFAULT 1, attempts INTEGER NOT NULL DEFAULT 0, "
+            "created_at REAL NOT NULL, updated_at REAL NOT NULL); PRAGMA user_version=1;"
+        )
+        old.execute(
+            "INSERT INTO jobs (id, request_key, status, request, budget_bytes, solver, attempts, created_at, "
+            "updated_at) VALUES ('old', ?, 'running', ?, 5, 'dp', 1, 1.0, 1.0)",
+            (request_key(REQUEST), REQUEST),
+        )
+    store = JobStore(path)
+    assert store.recover(max_attempts=2) == ["old"]
+    claimed = store.claim(owner=OWNER, lease_s=LEASE_S, max_attempts=2)
+    store.close()
+    assert claimed is not None and claimed.id == "old" and claimed.attempts == 2
+    with sqlite3.connect(path) as reopened:
+        assert reopened.execute("PRAGMA user_version").fetchone() == (2,)

@@ -1,6 +1,7 @@
 # The planner's solver service (`planner serve`): solves posted activation graphs; needs no torch.
 #   docker build -t planner-service .            (or: podman build --format docker -t planner-service .)
 #   docker run -p 8000:8000 -v planner-data:/data planner-service
+# Replicas on PostgreSQL instead of SQLite in /data: compose.yaml (PLANNER_DB=postgresql://...).
 # Build with --build-arg WITH_TORCH=1 to add torch (for running PlannerClient.optimize in the image).
 FROM python:3.11-slim
 
@@ -9,7 +10,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PLANNER_DB_PATH=/data/jobs.sqlite3
+    PLANNER_DB=/data/jobs.sqlite3
 
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin planner \
     && mkdir -p /data /app && chown planner:planner /data

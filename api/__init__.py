@@ -1,8 +1,10 @@
 """The planner's REST service: solve posted activation graphs (`planner.graph/v1`) into plans.
 
 `main.create_app` builds the FastAPI app. The modules below it keep to one job each: `settings`
-(environment variables), `schemas` (the wire format), `jobs` (the SQLite job store) and `worker` (the
-bounded solver pool), `limits`, `metrics` and `errors` (cross-cutting HTTP concerns), `deps` (dependency
-aliases) and `routers/` (one router per resource). `jobs` and `worker` do not import FastAPI, so they
-can be tested and reused without a web stack. Nothing here imports torch.
+(environment variables), `schemas` (the wire format), `jobs` (the job store) over `databases` (SQLite
+or PostgreSQL), `worker` (the bounded pool that claims and solves jobs), `solve_process` (one killable
+child process per solve) running `solve_targets`, `limits`, `metrics` and `errors` (cross-cutting HTTP
+concerns), `deps` (dependency aliases) and `routers/` (one router per resource). `jobs`, `worker` and
+the modules under them do not import FastAPI, so they can be tested and reused without a web stack.
+Nothing here imports torch.
 """

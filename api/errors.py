@@ -2,8 +2,9 @@
 
 - `PlannerError` -> 422, in one handler: an infeasible budget carries `min_peak_bytes`, `budget_bytes`
   and `breakdown`; an invalid graph lists one entry per offending field under `body.graph`;
-  a job that failed for a reason that would repeat is answered the same way. A job that failed because
-  of a bug in the planner is the one exception: 500, with the message, since resending cannot help.
+  a job that failed for a reason that would repeat, or that ran past the time limit, is answered the
+  same way. A job that was cancelled is 409. A job that failed because of a bug in the planner, or whose
+  solver process died on every attempt, is 500, with the message, since resending cannot help.
 - Request validation (pydantic) -> 422 with FastAPI's `loc` of each field (the input is not echoed).
 - `QueueFull` -> 503 with `Retry-After`.
 - Other HTTP errors (401, 404, 405, ...) keep their status and headers, in the same shape.
@@ -53,7 +54,7 @@ async def planner_error(request: Request, error: Exception) -> JSONResponse:
         min_peak_bytes=record.min_peak_bytes,
         breakdown=record.breakdown,
     )
-    return _answer(422 if record.repeats else 500, body)
+    return _answer(record.http_status, body)
 
 
 async def validation_error(request: Request, error: Exception) -> JSONResponse:

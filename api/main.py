@@ -2,9 +2,11 @@
 
 `create_app(settings)` builds one app; `planner serve` (planner/cli.py) runs it under uvicorn.
 
-The lifespan opens the job store, re-queues what a previous process left unfinished (see
-`JobStore.recover`), starts the workers, and on shutdown waits briefly for running solves; a solve cut
-short stays RUNNING in the database and is re-queued at the next start, so no job is silently lost.
+The lifespan opens the job store (an SQLite file or a shared PostgreSQL), re-queues what a previous
+process left unfinished (see `JobStore.recover`), starts the workers (and, on PostgreSQL, the sweeper
+that takes over jobs of replicas that died), and on shutdown waits briefly for running solves; a solve
+cut short stays RUNNING under its lease and is taken again (by another replica once the lease expires,
+or at the next start), so no job is silently lost.
 
 The docs at /docs and /redoc use Swagger UI and ReDoc files shipped in the `fastapi-offline` package
 and served from this app: no page loads anything from a CDN, so they work on an offline host.
@@ -25,11 +27,15 @@ from api.limits import BodySizeLimit
 from api.metrics import ServiceMetrics
 from api.routers import health, metrics, pareto, plans
 from api.settings import Settings
-from api.worker import JobRunner, WorkerPool
+from api.solve_process import start_forkserver
+from api.worker import JobRunner, SolveLimits, WorkerPool
 
 __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
+
+CONNECTIONS_BESIDE_WORKERS = 2
+"""PostgreSQL connections beyond one per worker: the event loop's requests and the sweeper."""
 
 DESCRIPTION = """Solves activation-checkpoint plans for graphs captured by the `planner` library.
 
@@ -42,19 +48,25 @@ The service needs no torch and never unpickles anything.
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
-    store = JobStore(settings.db_path)
+    store = JobStore(settings.db, max_connections=settings.workers + CONNECTIONS_BESIDE_WORKERS)
     pool = WorkerPool(
         workers=settings.workers, queue_size=settings.queue_size, retry_after_s=settings.retry_after_s
     )
-    runner = JobRunner(store, pool, observer=app.state.metrics.observe_job)
+    limits = SolveLimits(
+        timeout_s=settings.solve_timeout_s, lease_s=settings.lease_s, max_attempts=settings.max_attempts
+    )
+    runner = JobRunner(store, pool, limits=limits, observer=app.state.metrics.observe_job)
     app.state.store, app.state.runner = store, runner
+    if settings.workers > 0:
+        start_forkserver()
     pool.start()
-    runner.recover(max_attempts=settings.max_attempts)
-    log.info("planner service ready: %d workers, jobs in %s", settings.workers, settings.db_path)
+    runner.recover()
+    runner.start_sweeping()
+    log.info("planner service ready: %d workers, jobs in %s", settings.workers, store.location)
     try:
         yield
     finally:
-        pool.stop(timeout_s=settings.shutdown_grace_s)
+        runner.stop(grace_s=settings.shutdown_grace_s)
         store.close()
 
 

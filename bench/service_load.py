@@ -1,16 +1,18 @@
-"""Load on the solver service: N concurrent clients for T seconds against a 500-node graph, on loopback.
+"""Load on the solver service: distinct graphs solved cold, then the same requests again, on 1 and 2 replicas.
 
-One experiment: start `planner serve` on 127.0.0.1 (a subprocess, its own SQLite file), solve the graph
-once (the cold solve, timed), then let `--clients` threads post the same request for `--seconds`. Those
-requests are answered from the job store, so this measures the service's own cost per request (parse
-and validate a 500-node graph, hash it, look the job up, send the plan back), not the solver's, which
-the cold solve reports. Every answer must be 200 with a plan; anything else counts as an error.
+One experiment, three set-ups on loopback: one replica on SQLite, one replica on PostgreSQL, and two
+replicas sharing one PostgreSQL (requests alternate between them, as a round-robin balancer would).
+In each, `--clients` threads first post `--graphs-per-size` distinct synthetic graphs of each size in
+`--sizes` (different seeds, so every one is a cold solve), then post every request again (answered from
+the job store: the service's own cost per request). A request that gets 202 polls its job until done.
 
-Reports throughput, latency percentiles, errors and the server's resident memory (VmRSS and its peak
-VmHWM from /proc) and writes them to bench/results/service_load.json. Traffic goes to 127.0.0.1 only,
-and every loop is bounded by the deadline and by `MAX_REQUESTS_PER_CLIENT`.
+Reports per set-up the cold solves' throughput (distinct jobs per second of wall time) and latency
+(post to plan, queueing included) at p50 and p99 per graph size, and the repeats' throughput and latency;
+every answer must be a plan, anything else counts as an error. Writes bench/results/service_load.json.
+PostgreSQL is a throwaway server started from Debian's binaries (tests/api/postgres_server.py), unless
+`--postgres-url` names one (each set-up then creates a database of its own on it).
 
-    .venv/bin/python bench/service_load.py --clients 8 --seconds 20
+    .venv/bin/python bench/service_load.py --sizes 100 300 900 --graphs-per-size 16 --clients 8
 """
 
 from __future__ import annotations
@@ -19,109 +21,140 @@ import argparse
 import json
 import logging
 import os
-import socket
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
-from planner.client import PlannerClient
 from planner.serialize import graph_to_dict
 from planner.simulate import simulate, store_everything
 from planner.solvers import lowest_peak
 from planner.synthetic import residual_graph
 
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "api"))
+from postgres_server import fresh_database, running_postgres  # noqa: E402 - the tests' one copy
+from service_helpers import free_port, wait_until_healthy  # noqa: E402
+
 log = logging.getLogger("service_load")
 
 RESULTS_PATH = Path(__file__).parent / "results" / "service_load.json"
 HOST = "127.0.0.1"
-MAX_REQUESTS_PER_CLIENT = 100_000
-SERVER_START_TIMEOUT_S = 60.0
-COLD_SOLVE_TIMEOUT_S = 600.0
-
-
-@dataclass
-class ClientTally:
-    latencies_ms: list[float] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+REQUEST_TIMEOUT_S = 120.0
+POLL_INTERVAL_S = 0.05
+SHUFFLE_SEED = 0
 
 
 @dataclass(frozen=True)
-class LoadResult:
-    command: str
-    graph_nodes: int
-    request_body_bytes: int
-    clients: int
-    duration_s: float
-    cold_solve_s: float
+class Request:
+    node_count: int
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Answer:
+    node_count: int
+    latency_ms: float
+    error: str
+
+
+@dataclass(frozen=True)
+class SizeFigures:
+    node_count: int
+    requests: int
+    latency_p50_ms: float
+    latency_p99_ms: float
+
+
+@dataclass(frozen=True)
+class PhaseFigures:
     requests: int
     errors: int
     error_samples: list[str]
+    wall_s: float
     throughput_per_s: float
     latency_p50_ms: float
     latency_p99_ms: float
-    latency_max_ms: float
-    server_rss_start_mib: float
-    server_rss_end_mib: float
-    server_rss_peak_mib: float
-    cpu_count: int
+    by_size: list[SizeFigures]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        return int(probe.getsockname()[1])
+@dataclass(frozen=True)
+class SetupResult:
+    setup: str
+    replicas: int
+    store: str
+    workers_per_replica: int
+    cold: PhaseFigures
+    repeat: PhaseFigures
 
 
-def _memory_mib(pid: int, key: str) -> float:
-    """A /proc/<pid>/status memory line (VmRSS, VmHWM) in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(f"/proc/{pid}/status has no {key} line")
+def build_requests(*, sizes: list[int], graphs_per_size: int, solver: str) -> list[Request]:
+    """One request per (size, seed), at a budget halfway between the lowest and the baseline peak."""
+    requests = []
+    for node_count in sizes:
+        for seed in range(graphs_per_size):
+            graph = residual_graph(node_count=node_count, seed=seed)
+            lowest = lowest_peak(graph)[1].peak_bytes
+            budget_bytes = (lowest + simulate(graph, store_everything(graph)).peak_bytes) // 2
+            document = {"graph": graph_to_dict(graph), "budget_bytes": budget_bytes, "solver": solver}
+            requests.append(Request(node_count, json.dumps({**document, "wait_s": 30}).encode()))
+    random.Random(SHUFFLE_SEED).shuffle(requests)
+    return requests
 
 
-def _start_server(database: Path, port: int, workers: int) -> subprocess.Popen[bytes]:
+def _serve(database: str, port: int, workers: int) -> subprocess.Popen[bytes]:
     environment = {key: value for key, value in os.environ.items() if not key.startswith("PLANNER_")}
     command = [sys.executable, "-m", "planner.cli", "serve", "--host", HOST, "--port", str(port)]
-    command += ["--db", str(database), "--workers", str(workers), "--log-level", "warning"]
+    command += ["--db", database, "--workers", str(workers), "--log-level", "warning"]
     server = subprocess.Popen(command, env=environment)
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode} before answering /healthz")
-        try:
-            if httpx.get(f"http://{HOST}:{port}/healthz", timeout=1.0).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    server.kill()
-    raise TimeoutError(f"the server did not answer /healthz within {SERVER_START_TIMEOUT_S} s")
+    try:
+        wait_until_healthy(f"http://{HOST}:{port}", server)
+    except BaseException:
+        server.kill()
+        raise
+    return server
 
 
-def _client_loop(url: str, body: bytes, deadline: float, tally: ClientTally) -> None:
-    headers = {"Content-Type": "application/json"}
-    with httpx.Client(timeout=60.0) as http:
-        for _ in range(MAX_REQUESTS_PER_CLIENT):
-            if time.monotonic() >= deadline:
-                return
-            started = time.perf_counter()
-            try:
-                response = http.post(f"{url}/v1/plans", content=body, headers=headers)
-                ok = response.status_code == 200 and response.json()["status"] == "done"
-                problem = "" if ok else f"HTTP {response.status_code}: {response.text[:200]}"
-            except (httpx.HTTPError, ValueError, KeyError) as error:
-                problem = f"{type(error).__name__}: {error}"
-            tally.latencies_ms.append((time.perf_counter() - started) * 1e3)
-            if problem:
-                tally.errors.append(problem)
+@contextmanager
+def replicas(database: str, *, count: int, workers: int) -> Iterator[list[str]]:
+    """`count` servers on one database; their URLs. Stopped (SIGTERM) on exit."""
+    servers: list[subprocess.Popen[bytes]] = []
+    try:
+        urls = []
+        for _ in range(count):
+            port = free_port()
+            servers.append(_serve(database, port, workers))
+            urls.append(f"http://{HOST}:{port}")
+        yield urls
+    finally:
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            server.wait(timeout=30)
+
+
+def _post_until_done(http: httpx.Client, url: str, request: Request) -> Answer:
+    started = time.perf_counter()
+    try:
+        response = http.post(
+            f"{url}/v1/plans", content=request.body, headers={"Content-Type": "application/json"}
+        )
+        while response.status_code == 202:
+            time.sleep(POLL_INTERVAL_S)
+            response = http.get(f"{url}{response.headers['Location']}")
+        ok = response.status_code == 200 and response.json()["status"] == "done"
+        problem = "" if ok else f"HTTP {response.status_code}: {response.text[:200]}"
+    except (httpx.HTTPError, ValueError, KeyError) as error:
+        problem = f"{type(error).__name__}: {error}"
+    return Answer(request.node_count, (time.perf_counter() - started) * 1e3, problem)
 
 
 def _percentile(values: list[float], fraction: float) -> float:
@@ -129,85 +162,92 @@ def _percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def run_load(*, clients: int, seconds: float, node_count: int, workers: int) -> LoadResult:
-    graph = residual_graph(node_count=node_count)
-    budget_bytes = (
-        lowest_peak(graph)[1].peak_bytes + simulate(graph, store_everything(graph)).peak_bytes
-    ) // 2
-    body = json.dumps(
-        {"graph": graph_to_dict(graph), "budget_bytes": budget_bytes, "solver": "auto", "wait_s": 30}
-    ).encode()
-    port = _free_port()
-    url = f"http://{HOST}:{port}"
-    with tempfile.TemporaryDirectory() as directory:
-        server = _start_server(Path(directory) / "jobs.sqlite3", port, workers)
-        try:
-            started = time.perf_counter()
-            with PlannerClient(url, poll_timeout_s=COLD_SOLVE_TIMEOUT_S) as client:
-                client.plan_graph(graph, budget_bytes=budget_bytes, solver="auto")
-            cold_solve_s = time.perf_counter() - started
-            log.info("cold solve of %d nodes: %.2f s; loading for %.0f s", node_count, cold_solve_s, seconds)
-            rss_start_mib = _memory_mib(server.pid, "VmRSS")
-            tallies = [ClientTally() for _ in range(clients)]
-            deadline = time.monotonic() + seconds
-            threads = [
-                threading.Thread(target=_client_loop, args=(url, body, deadline, tally)) for tally in tallies
-            ]
-            load_started = time.perf_counter()
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            duration_s = time.perf_counter() - load_started
-            rss_end_mib = _memory_mib(server.pid, "VmRSS")
-            rss_peak_mib = _memory_mib(server.pid, "VmHWM")
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
-    latencies = [latency for tally in tallies for latency in tally.latencies_ms]
-    errors = [error for tally in tallies for error in tally.errors]
-    return LoadResult(
-        command=" ".join(["python", "bench/service_load.py", *sys.argv[1:]]),
-        graph_nodes=node_count,
-        request_body_bytes=len(body),
-        clients=clients,
-        duration_s=round(duration_s, 2),
-        cold_solve_s=round(cold_solve_s, 2),
-        requests=len(latencies),
+def run_phase(urls: list[str], requests: list[Request], *, clients: int) -> PhaseFigures:
+    """Post every request once, `clients` at a time, alternating between the replicas' URLs."""
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http, ThreadPoolExecutor(max_workers=clients) as pool:
+        started = time.perf_counter()
+        answers = list(
+            pool.map(
+                lambda item: _post_until_done(http, urls[item[0] % len(urls)], item[1]), enumerate(requests)
+            )
+        )
+        wall_s = time.perf_counter() - started
+    latencies = [answer.latency_ms for answer in answers]
+    errors = [answer.error for answer in answers if answer.error]
+    by_size = []
+    for node_count in sorted({answer.node_count for answer in answers}):
+        sized = [answer.latency_ms for answer in answers if answer.node_count == node_count]
+        by_size.append(
+            SizeFigures(
+                node_count=node_count,
+                requests=len(sized),
+                latency_p50_ms=round(statistics.median(sized), 1),
+                latency_p99_ms=round(_percentile(sized, 0.99), 1),
+            )
+        )
+    return PhaseFigures(
+        requests=len(answers),
         errors=len(errors),
         error_samples=errors[:5],
-        throughput_per_s=round(len(latencies) / duration_s, 1),
+        wall_s=round(wall_s, 2),
+        throughput_per_s=round(len(answers) / wall_s, 2),
         latency_p50_ms=round(statistics.median(latencies), 1),
         latency_p99_ms=round(_percentile(latencies, 0.99), 1),
-        latency_max_ms=round(max(latencies), 1),
-        server_rss_start_mib=round(rss_start_mib, 1),
-        server_rss_end_mib=round(rss_end_mib, 1),
-        server_rss_peak_mib=round(rss_peak_mib, 1),
-        cpu_count=os.cpu_count() or 0,
+        by_size=by_size,
     )
+
+
+def run_setup(
+    name: str, database: str, *, count: int, workers: int, requests: list[Request], clients: int
+) -> SetupResult:
+    with replicas(database, count=count, workers=workers) as urls:
+        cold = run_phase(urls, requests, clients=clients)
+        repeat = run_phase(urls, requests, clients=clients)
+    log.info("%s: cold %.2f jobs/s, repeats %.1f req/s", name, cold.throughput_per_s, repeat.throughput_per_s)
+    store = "postgresql" if database.startswith("postgresql://") else "sqlite"
+    return SetupResult(name, count, store, workers, cold, repeat)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 300, 900], help="graph sizes, nodes")
+    parser.add_argument("--graphs-per-size", type=int, default=16, help="distinct graphs (seeds) per size")
     parser.add_argument("--clients", type=int, default=8, help="concurrent client threads")
-    parser.add_argument("--seconds", type=float, default=20.0, help="length of the load phase")
-    parser.add_argument("--nodes", type=int, default=500, help="nodes in the synthetic graph")
-    parser.add_argument("--workers", type=int, default=2, help="the server's solver threads")
+    parser.add_argument("--workers", type=int, default=2, help="solves at a time per replica")
+    parser.add_argument("--solver", default="dp", help="the solver every request names")
+    parser.add_argument("--postgres-url", help="an existing server to use instead of a throwaway one")
     arguments = parser.parse_args()
+    load_average = os.getloadavg()[0]
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would swamp the report
-    result = run_load(
-        clients=arguments.clients,
-        seconds=arguments.seconds,
-        node_count=arguments.nodes,
-        workers=arguments.workers,
+    requests = build_requests(
+        sizes=arguments.sizes, graphs_per_size=arguments.graphs_per_size, solver=arguments.solver
     )
+    log.info("%d distinct requests built; measuring", len(requests))
+    common = {"workers": arguments.workers, "requests": requests, "clients": arguments.clients}
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as directory:
+        server_url = arguments.postgres_url or stack.enter_context(running_postgres())
+        results = [
+            run_setup("1 replica, SQLite", str(Path(directory) / "jobs.sqlite3"), count=1, **common),
+            run_setup("1 replica, PostgreSQL", fresh_database(server_url), count=1, **common),
+            run_setup("2 replicas, one PostgreSQL", fresh_database(server_url), count=2, **common),
+        ]
+    report = {
+        "command": " ".join(["python", "bench/service_load.py", *sys.argv[1:]]),
+        "cpu_count": os.cpu_count(),
+        "load_average_1min_at_start": round(load_average, 2),
+        "setups": [asdict(result) for result in results],
+    }
     RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_PATH.write_text(json.dumps(asdict(result), indent=1) + "\n")
-    log.info("%s", json.dumps(asdict(result), indent=1))
-    if result.errors:
+    RESULTS_PATH.write_text(json.dumps(report, indent=1) + "\n")
+    log.info("wrote %s", RESULTS_PATH)
+    failures = [
+        (result.setup, phase) for result in results for phase in (result.cold, result.repeat) if phase.errors
+    ]
+    if failures:
+        setup, phase = failures[0]
         raise SystemExit(
-            f"{result.errors} of {result.requests} requests failed; first: {result.error_samples[0]}"
+            f"{setup}: {phase.errors} of {phase.requests} requests failed; first: {phase.error_samples[0]}"
         )
 
 

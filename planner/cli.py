@@ -59,11 +59,15 @@ def serve(
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     db: Annotated[
-        Path | None,
-        typer.Option(help="SQLite job database (default: PLANNER_DB_PATH or ./planner-jobs.sqlite3)."),
+        str | None,
+        typer.Option(
+            help="Job database: an SQLite file, or a postgresql://user:password@host/db URL that "
+            "replicas share (default: PLANNER_DB or ./planner-jobs.sqlite3)."
+        ),
     ] = None,
     workers: Annotated[
-        int | None, typer.Option(help="Solver threads (default: PLANNER_WORKERS or 2).")
+        int | None,
+        typer.Option(help="Solves at a time, each in its own process (default: PLANNER_WORKERS or 2)."),
     ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
 ) -> None:
@@ -73,7 +77,7 @@ def serve(
     from api.main import create_app
     from api.settings import Settings
 
-    overrides: dict[str, Any] = {"db_path": db, "workers": workers}
+    overrides: dict[str, Any] = {"db": db, "workers": workers}
     settings = Settings(**{key: value for key, value in overrides.items() if value is not None})
     uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
 

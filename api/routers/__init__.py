@@ -15,10 +15,13 @@ __all__ = ["error_responses"]
 _DESCRIPTIONS = {
     401: "PLANNER_TOKEN is set and the request has no matching `Authorization: Bearer` token",
     404: "No such job",
+    409: "The job was cancelled (POST), or had already finished (DELETE)",
     413: "The body is larger than PLANNER_MAX_BODY_BYTES",
     422: "The body does not match the schema, the graph is not valid (each entry names the field), "
-    "or no plan fits the budget (min_peak_bytes says what would)",
-    500: "The solver failed: a bug in the planner; the message says where",
+    "no plan fits the budget (min_peak_bytes says what would), or the solve ran past "
+    "PLANNER_SOLVE_TIMEOUT_S",
+    500: "The solver failed: a bug in the planner, or its process died on every attempt; the message "
+    "says which",
     503: "The solver queue is full; retry after Retry-After seconds",
 }
 _HEADERS = {

@@ -26,7 +26,7 @@ async def readyz(store: StoreDep, pool: PoolDep, response: Response) -> ReadyVie
     """200 when jobs can be stored and solved; 503 with the reasons otherwise."""
     reasons = []
     if not store.ping():
-        reasons.append(f"the job database {store.path} does not answer")
+        reasons.append(f"the job database {store.location} does not answer")
     if pool.alive < pool.workers:
         reasons.append(f"{pool.workers - pool.alive} of {pool.workers} worker threads have stopped")
     if pool.queue_depth >= pool.queue_size:

@@ -3,16 +3,15 @@
 POST answers 200 with the finished job when the plan is ready within `wait_s` (immediately when an
 identical request was solved before), and otherwise 202 with the job and a `Location` to poll.
 A job that failed in a way that would repeat (an infeasible budget) is answered with 422 at once.
+DELETE cancels a queued or running job: it fails as `cancelled`, and a running solve is killed.
 """
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Depends, HTTPException, Response
 
 from api.deps import RunnerDep, SettingsDep, StoreDep, require_token
-from api.jobs import Job, JobStatus
+from api.jobs import TERMINAL, Job, JobStatus
 from api.routers import error_responses
 from api.schemas import JobView, PlanRequest, job_json
 from api.worker import JobFailed, PlanJob
@@ -36,7 +35,7 @@ def _job_response(job: Job, *, status_code: int = 200, headers: dict[str, str] |
             "description": "Not solved within wait_s; poll the job at Location",
             "headers": {"Location": {"schema": {"type": "string"}, "description": "The job's URL"}},
         },
-        **error_responses(401, 413, 422, 500, 503),
+        **error_responses(401, 409, 413, 422, 500, 503),
     },
 )
 async def create_plan(body: PlanRequest, runner: RunnerDep, settings: SettingsDep) -> Response:
@@ -45,12 +44,8 @@ async def create_plan(body: PlanRequest, runner: RunnerDep, settings: SettingsDe
     validate_graph(graph, max_nodes=settings.max_nodes)
     submission = runner.submit(PlanJob(graph=graph, budget_bytes=body.budget_bytes, solver=body.solver))
     job = submission.job
-    wait_s = min(body.wait_s, settings.max_wait_s)
-    if submission.done is not None and job.status not in (JobStatus.DONE, JobStatus.FAILED):
-        try:
-            job = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(submission.done)), timeout=wait_s)
-        except TimeoutError:
-            job = runner.store.get(job.id) or job
+    if job.status not in TERMINAL:
+        job = await runner.wait(job, timeout_s=min(body.wait_s, settings.max_wait_s))
     if job.status is JobStatus.FAILED:
         assert job.error is not None, f"job {job.id} failed without a recorded error"
         raise JobFailed(job.error)
@@ -61,14 +56,34 @@ async def create_plan(body: PlanRequest, runner: RunnerDep, settings: SettingsDe
     )
 
 
+def _unknown_job(job_id: str) -> HTTPException:
+    return HTTPException(
+        status_code=404,
+        detail=f"no job {job_id!r}; jobs are kept in the service's database, "
+        "so this id was never issued by it (or the database was replaced)",
+    )
+
+
 @router.get("/{job_id}", response_model=JobView, responses=error_responses(401, 404))
 async def get_plan(job_id: str, store: StoreDep) -> Response:
     """The job: its plan once done, its error once failed (failed jobs are answered 200 here)."""
     job = store.get(job_id)
     if job is None:
+        raise _unknown_job(job_id)
+    return _job_response(job)
+
+
+@router.delete("/{job_id}", response_model=JobView, responses=error_responses(401, 404, 409))
+async def cancel_plan(job_id: str, runner: RunnerDep) -> Response:
+    """Cancel a queued or running job: 200 with the job, failed as `cancelled` (again 200 for a job already
+    cancelled); 409 for a job that finished otherwise."""
+    job = runner.cancel(job_id)
+    if job is None:
+        raise _unknown_job(job_id)
+    if job.error is None or job.error.type != "cancelled":
         raise HTTPException(
-            status_code=404,
-            detail=f"no job {job_id!r}; jobs are kept in the service's database, "
-            "so this id was never issued by it (or the database was replaced)",
+            status_code=409,
+            detail=f"job {job_id!r} had already finished ({job.status.value}) and cannot be cancelled; "
+            "GET it for its plan or error",
         )
     return _job_response(job)

@@ -1,13 +1,20 @@
-"""Fixtures: an app on a temporary SQLite file, and a TestClient that runs its lifespan."""
+"""Fixtures: an app on a temporary SQLite file, a TestClient that runs its lifespan, and PostgreSQL.
+
+`postgres_server` starts one real server per test session (tests/api/postgres_server.py); each test that
+asks for `postgres_url` gets a database of its own on it. Without the server binaries those tests are
+skipped with the reason, except where REQUIRE_POSTGRES_TESTS=1 (CI sets it): there they fail.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from postgres_server import fresh_database, running_postgres, why_unavailable
 
 from api.main import create_app
 from api.settings import Settings
@@ -15,7 +22,7 @@ from api.settings import Settings
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(db_path=tmp_path / "jobs.sqlite3", workers=1, max_wait_s=30.0)
+    return Settings(db=tmp_path / "jobs.sqlite3", workers=1, max_wait_s=30.0)
 
 
 @pytest.fixture
@@ -27,3 +34,28 @@ def app(settings: Settings) -> FastAPI:
 def client(app: FastAPI) -> Iterator[TestClient]:
     with TestClient(app) as test_client:
         yield test_client
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    reason = why_unavailable()
+    if reason is not None:
+        if os.environ.get("REQUIRE_POSTGRES_TESTS") == "1":
+            pytest.fail(f"REQUIRE_POSTGRES_TESTS=1 but {reason}")
+        pytest.skip(reason)
+    with running_postgres() as url:
+        yield url
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str) -> str:
+    """An empty database of this test's own on the session's server."""
+    return fresh_database(postgres_server)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each store in turn: an SQLite file, then a PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "jobs.sqlite3")
+    return str(request.getfixturevalue("postgres_url"))

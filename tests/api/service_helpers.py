@@ -48,10 +48,19 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(
-    db_path: Path, *, port: int, workers: int = 1, token: str | None = None
+    db: Path | str,
+    *,
+    port: int,
+    workers: int = 1,
+    token: str | None = None,
+    settings: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`planner serve` in a subprocess on 127.0.0.1:`port`; killed (SIGKILL) on exit if still running."""
+    """`planner serve` in a subprocess on 127.0.0.1:`port`; killed (SIGKILL) on exit if still running.
+
+    `db` is an SQLite file or a PostgreSQL URL; `settings` are more PLANNER_* variables.
+    """
     environment = {key: value for key, value in os.environ.items() if not key.startswith("PLANNER_")}
+    environment.update(settings or {})
     if token is not None:
         environment["PLANNER_TOKEN"] = token
     command = [
@@ -64,7 +73,7 @@ def running_server(
         "--port",
         str(port),
         "--db",
-        str(db_path),
+        str(db),
         "--workers",
         str(workers),
         "--log-level",

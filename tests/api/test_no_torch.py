@@ -20,7 +20,7 @@ def test_serving_a_plan_and_a_frontier_never_imports_torch(tmp_path) -> None:  #
         from planner.synthetic import residual_graph
 
         graph = residual_graph(node_count=21, nodes_per_block=5)
-        with TestClient(create_app(Settings(db_path={str(tmp_path / "jobs.sqlite3")!r}))) as http:
+        with TestClient(create_app(Settings(db={str(tmp_path / "jobs.sqlite3")!r}))) as http:
             plan = PlannerClient("http://testserver", http=http).plan_graph(graph, budget_bytes=2**40)
             assert plan.predicted_peak_bytes <= 2**40
             frontier = http.post("/v1/pareto", json={{"graph": graph_to_dict(graph), "points": 2}})

@@ -178,7 +178,7 @@ def test_too_many_nodes_is_422(app: FastAPI, settings: Settings) -> None:
 
 
 def test_body_over_the_limit_is_413(tmp_path: Path) -> None:
-    app = create_app(Settings(db_path=tmp_path / "jobs.sqlite3", max_body_bytes=4096))
+    app = create_app(Settings(db=tmp_path / "jobs.sqlite3", max_body_bytes=4096))
     with TestClient(app) as client:
         declared = client.post("/v1/plans", json=plan_body(GRAPH, BUDGET_BYTES))
         chunked = client.post("/v1/plans", content=iter([b"x" * 3000] * 3))

@@ -30,6 +30,7 @@ EXAMPLES_PER_OPERATION = 20
 OPERATIONS = [
     ("POST", "/v1/plans"),
     ("GET", "/v1/plans/{job_id}"),
+    ("DELETE", "/v1/plans/{job_id}"),
     ("POST", "/v1/pareto"),
     ("GET", "/healthz"),
     ("GET", "/readyz"),
@@ -40,7 +41,7 @@ OPERATIONS = [
 @pytest.fixture(scope="module")
 def service_schema(tmp_path_factory: pytest.TempPathFactory) -> Iterator[schemathesis.BaseSchema]:
     database = Path(tmp_path_factory.mktemp("fuzz")) / "jobs.sqlite3"
-    app = create_app(Settings(db_path=database, token=SecretStr(TOKEN), max_wait_s=0.5, workers=1))
+    app = create_app(Settings(db=database, token=SecretStr(TOKEN), max_wait_s=0.5, workers=1))
     with TestClient(app):  # runs the lifespan: store and workers stay up while the module's tests run
         yield schemathesis.openapi.from_asgi("/openapi.json", app)
 

@@ -296,7 +296,7 @@ def _moved_bytes(inputs: Any, output: Any) -> int:
 
 
 @contextmanager
-def _preserved_state(model: torch.nn.Module) -> Iterator[None]:
+def preserved_state(model: torch.nn.Module) -> Iterator[None]:
     """Restore RNG state and buffers (BatchNorm statistics) after profiling."""
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
@@ -495,7 +495,7 @@ def build_activation_graph(
             "nothing to train: no parameter of the model and no input requires grad; "
             "checkpointing only matters for training steps"
         )
-    with _preserved_state(model):
+    with preserved_state(model):
         tracker = _ProfilingTracker()
         static_tensors = [*model.parameters(), *model.buffers(), *tensors_in(inputs)]
         static_tensors += extra_static_tensors(graph_module)

@@ -65,6 +65,12 @@ class Node:
     """Of the backward residual, what is live when the node's backward first unpacks a saved tensor (the
     gradients in flight): where a replay the node triggers runs (NOTE [early stop] in simulate.py).
     None where it was not measured (module-level and synthetic graphs)."""
+    backward_points: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """(workspace bytes, storages freed before) at moments of the node's backward where its saved
+    storages are freed part way, as a compiled backward frees them after their last reader (a weight
+    gradient's input, read before the input gradient is made): the simulator subtracts those the
+    schedule releases at this node (NOTE [early release] in simulate.py). Empty where the whole
+    backward holds its saved storages, as eager autograd does: `backward_workspace_bytes` then."""
     parameter_gradient_bytes: int = 0
     """Parameter (and input) gradient bytes that first appear during this node's backward."""
     allocated_bytes: int = 0

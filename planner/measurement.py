@@ -6,6 +6,13 @@ Instead `LiveStorageTracker` counts the bytes of live tensor storages: a TorchDi
 tensor an operator creates (forward, backward and optimizer alike), registers its storage once, and a
 weakref finalizer subtracts it when the storage is freed. Views share a storage and count once. This
 is the quantity `torch.cuda.memory_allocated` reports on a GPU, less the allocator's rounding.
+
+NOTE [compiled steps]: the tracker cannot count a `torch.compile`d step. Dynamo runs no compiled code
+while a TorchDispatchMode is active (it runs the frame eagerly, and keeps skipping it afterwards), and
+inductor's generated code allocates its buffers with `empty_strided_cpu`, which no dispatch mode
+sees. For a compiled model on the CPU `measure_step` therefore counts the CPU allocator's own events
+(`torch.profiler` with `profile_memory=True`: every allocation and free, inductor's included) on top of
+the storages that exist when it starts (`AllocatorPhases`).
 """
 
 from __future__ import annotations
@@ -27,15 +34,18 @@ from torch.utils._pytree import tree_flatten
 from planner.ir import TrainingStep
 
 __all__ = [
+    "AllocatorPhases",
     "LiveStorageTracker",
     "MeasuredStep",
     "MeasuredTimeline",
     "OptimizerSpec",
     "default_loss",
     "end_autocast_forward",
+    "is_compiled",
     "make_optimizer",
     "measure_step",
     "measure_timeline",
+    "storage_bytes",
 ]
 
 OptimizerSpec = str | torch.optim.Optimizer | None
@@ -129,6 +139,59 @@ class LiveStorageTracker(TorchDispatchMode):
         for tensor in tensors_in(output):
             self._register(tensor)
         return output
+
+
+PHASE_MARK = "planner.phase:"
+"""Name prefix of the profiler events `AllocatorPhases` marks the end of each phase with."""
+
+
+class AllocatorPhases:
+    """Peak live bytes per phase from the CPU allocator's events (NOTE [compiled steps]).
+
+    Use as a context manager; call `on_phase(name)` at the end of each phase. `peaks` (phase -> bytes,
+    with `resident_bytes` added) is filled when the context exits.
+    """
+
+    def __init__(self, resident_bytes: int) -> None:
+        self.resident_bytes = resident_bytes
+        self.peaks: dict[str, int] = {}
+        self._profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
+
+    def on_phase(self, phase: str) -> None:
+        with torch.profiler.record_function(PHASE_MARK + phase):
+            pass
+
+    def __enter__(self) -> AllocatorPhases:
+        self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._profiler.__exit__(*exc_info)
+        assert self._profiler.profiler is not None and self._profiler.profiler.kineto_results is not None
+        events = sorted(self._profiler.profiler.kineto_results.events(), key=lambda event: event.start_ns())
+        live_bytes = phase_peak_bytes = 0
+        for event in events:
+            if event.name() == "[memory]":
+                live_bytes += event.nbytes()  # type: ignore[attr-defined]  # in the binding, not its stub
+                phase_peak_bytes = max(phase_peak_bytes, live_bytes)
+            elif event.name().startswith(PHASE_MARK):
+                phase = event.name().removeprefix(PHASE_MARK)
+                peak_bytes = self.resident_bytes + phase_peak_bytes
+                self.peaks[phase] = max(self.peaks.get(phase, 0), peak_bytes)
+                phase_peak_bytes = live_bytes
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether `model` is a `torch.compile`d module (NOTE [compiled steps])."""
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (tied weights and views count once)."""
+    sizes = {id(tensor.untyped_storage()): tensor.untyped_storage().nbytes() for tensor in tensors}
+    return sum(sizes.values())
 
 
 def make_optimizer(
@@ -261,6 +324,14 @@ def measure_step(
             for _ in range(2):
                 run(on_phase)
             phase_peaks = dict(on_phase.peaks)  # type: ignore[attr-defined]
+    elif is_compiled(model):
+        existing = [*model.parameters(), *model.buffers(), *tensors_in((inputs, kwargs))]
+        existing += _optimizer_state_tensors(built)
+        model.zero_grad(set_to_none=True)  # a gradient freed inside the window would not be seen freed
+        with AllocatorPhases(storage_bytes(existing)) as allocator:
+            for _ in range(2):
+                run(allocator.on_phase)
+        phase_peaks = dict(allocator.peaks)
     else:
         tracker = LiveStorageTracker()
         tracker.track(

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from planner.plots import MeasuredSeries
 
-__all__ = ["Plan", "RegionSummary"]
+__all__ = ["CompiledStep", "Plan", "RegionSummary"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,25 @@ class RegionSummary:
     last_node: str
     modules: tuple[str, ...]
     node_count: int
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """Facts of a plan made for the compiled step (`optimize(..., compile=True)`, compiled.py)."""
+
+    compile_s: float
+    """Seconds `optimize` spent planning and compiling, every attempt included."""
+    planning_s: float
+    """Of `compile_s`, the seconds spent reading the joint graph and solving it."""
+    measured_peak_bytes: int | None
+    """The compiled forward and backward on the example inputs, measured in `optimize` (live storages
+    on the CPU's allocator, `max_memory_allocated` on a GPU) with the resident state added, or the
+    predicted peak after backward (optimizer step) where that is higher. None where not measured."""
+    planned_budget_bytes: int
+    """The budget the solver was given: the user's, less what an earlier attempt measured above it."""
+    attempts: int
+    """Compilations made: more than one when a measured peak exceeded the budget and the plan was made
+    again under a lower one."""
 
 
 @dataclass
@@ -51,6 +70,8 @@ class Plan:
     rewriter: Callable[[Schedule], torch.nn.Module] | None = field(default=None, repr=False, compare=False)
     """Rewrites the planned model for another schedule of `graph` (set by `optimize`; None for a plan
     loaded from JSON or made by submodules). `replan` uses it."""
+    compiled: CompiledStep | None = None
+    """What `optimize(..., compile=True)` found compiling the plan (None for an eager plan)."""
     simulation: SimulationResult = field(init=False, repr=False)
     baseline: SimulationResult = field(init=False, repr=False)
 

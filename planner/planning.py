@@ -96,8 +96,14 @@ def optimize(
     device: str | DeviceSpec | None = None,
     world_size: int = 1,
     sharding: str = "ddp",
+    compile: bool = False,
 ) -> Plan:
     """Plan activation checkpointing so one training step of `model` fits the budget.
+
+    With `compile=True` the step planned is the one `torch.compile` (inductor) runs, and `plan.module`
+    is the compiled model: the planner reads the joint graph inductor's partitioner receives, chooses
+    what the compiled forward saves and what its backward recomputes, and installs that choice in the
+    partitioner (compiled.py). Per-node times are then analytic (`device`, default the model's).
 
     For data-parallel training over `world_size` ranks, pass the per-rank example batch and
     `sharding="ddp"` (replicated state plus DDP's gradient buckets) or `"fsdp"` (state split across
@@ -124,6 +130,9 @@ def optimize(
     placement = _sharding(world_size, sharding)
     step = _training_step(step)
     _refuse_sharded_model(model)
+    if compile:
+        compiled = (budget, optimizer, step, loss_fn, solver, device, world_size)
+        return _optimize_compiled(model, example_inputs, example_kwargs, *compiled)
     by_units = functools.partial(
         _plan_by_units,
         model,
@@ -163,6 +172,39 @@ def optimize(
     plan.rewriter = functools.partial(rewrite, model, captured.graph_module, graph, call=captured.call)
     plan.module = guard_gradients(plan.rewriter(plan.schedule), step)
     return plan
+
+
+def _optimize_compiled(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    budget_bytes: int,
+    optimizer: OptimizerSpec,
+    step: TrainingStep,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    solver: str,
+    device: str | DeviceSpec | None,
+    world_size: int,
+) -> Plan:
+    """`optimize(..., compile=True)`: the compiled step (compiled.py), one rank."""
+    from planner.compiled import optimize_compiled
+
+    if world_size != 1:
+        raise ValueError(
+            f"compile=True plans one process's compiled step; world_size={world_size} is not supported with "
+            "it yet: plan with compile=False and world_size, then torch.compile(plan.module)"
+        )
+    return optimize_compiled(
+        model,
+        _example_call(example_inputs, example_kwargs),
+        dict(example_kwargs or {}),
+        budget_bytes=budget_bytes,
+        optimizer=optimizer,
+        step=step,
+        loss_fn=loss_fn or default_loss,
+        solver=solver,
+        device=device,
+    )
 
 
 def _training_step(step: TrainingStep | None) -> TrainingStep:

@@ -40,7 +40,11 @@ def graph_to_dict(graph: ActivationGraph) -> dict[str, Any]:
         "step": dataclasses.asdict(graph.step),
         "storage_bytes": dict(graph.storage_bytes),
         "nodes": [
-            {**_fields_of(node), **{key: list(getattr(node, key)) for key in _TUPLE_FIELDS}}
+            {
+                **_fields_of(node),
+                **{key: list(getattr(node, key)) for key in _TUPLE_FIELDS},
+                "backward_points": [[workspace, list(freed)] for workspace, freed in node.backward_points],
+            }
             for node in graph.nodes
         ],
     }
@@ -57,7 +61,18 @@ def _fields_of(node: Node) -> dict[str, Any]:
 
 def graph_from_dict(data: dict[str, Any]) -> ActivationGraph:
     _check_schema(data, GRAPH_SCHEMA)
-    nodes = tuple(Node(**{**raw, **{key: tuple(raw[key]) for key in _TUPLE_FIELDS}}) for raw in data["nodes"])
+    nodes = tuple(
+        Node(
+            **{
+                **raw,
+                **{key: tuple(raw[key]) for key in _TUPLE_FIELDS},
+                "backward_points": tuple(
+                    (int(workspace), tuple(freed)) for workspace, freed in raw.get("backward_points", ())
+                ),
+            }
+        )
+        for raw in data["nodes"]
+    )
     return ActivationGraph(
         nodes=nodes,
         storage_bytes={str(name): int(size) for name, size in data["storage_bytes"].items()},

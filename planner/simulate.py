@@ -34,6 +34,13 @@ Rules (they mirror `torch.utils.checkpoint` with `use_reentrant=False`):
 - On top of the activation memory, each backward node adds its measured residual and the parameter
   gradients produced so far (see NOTE [measured residuals] in ir.py).
 
+NOTE [early release]: eager autograd frees a node's saved tensors when its backward is done; a
+compiled backward frees each buffer after the last kernel that reads it, so a node whose backward
+reads a saved storage first (a weight gradient from its input) and then makes its largest buffer (the
+input gradient) holds the two at different times. Such a node lists `backward_points`: its workspace
+at those moments and the saved storages freed before each. Where the schedule releases a storage at
+that node (it is not held for a later one), the simulator subtracts it there.
+
 NOTE [early stop]: non-reentrant checkpoint stops a replay as soon as the last tensor the region's
 backward needs is saved again. Autograd saves an operator's inputs before it runs the operator and its
 outputs after, so a trigger that saves only tensors made before it (a Linear saves its input) stops the
@@ -74,6 +81,7 @@ from planner.ir import (
 __all__ = [
     "LiveBytes",
     "Replay",
+    "backward_workspace",
     "cache_name",
     "cached_storages",
     "describe_micro_batch",
@@ -238,6 +246,10 @@ class LiveBytes:
             self.names.discard(name)
             self.total_bytes -= self.sizes[name.removesuffix("@replay")]
 
+    def leaving_at(self, step: int) -> list[str]:
+        """Names that leave after `step`."""
+        return self._leaving.get(step, [])
+
     def finish(self, step: int) -> None:
         """Drop what leaves after `step`."""
         for name in self._leaving.pop(step, ()):
@@ -292,6 +304,20 @@ def replay_workspace_bytes(graph: ActivationGraph, index: int) -> int:
     if index + 1 < len(graph.nodes):
         workspace = min(workspace, graph.nodes[index + 1].backward_workspace_bytes)
     return workspace
+
+
+def backward_workspace(node: Node, pending: LiveBytes, index: int) -> int:
+    """The node's backward residual on top of `pending` (NOTE [early release]): its measured or
+    predicted workspace, less what it frees part way that the schedule releases at this node."""
+    if not node.backward_points:
+        return node.backward_workspace_bytes
+    leaving = set(pending.leaving_at(index))
+    sizes = pending.sizes
+
+    def released(names: tuple[str, ...]) -> int:
+        return sum(sizes[name] for name in names if name in leaving or f"{name}@replay" in leaving)
+
+    return max(workspace_bytes - released(freed) for workspace_bytes, freed in node.backward_points)
 
 
 def stops_before_outputs(node: Node) -> bool:
@@ -432,7 +458,7 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
         base = {
             **static,
             "gradients": static["gradients"] + gradient_bytes,
-            "workspace": node.backward_workspace_bytes,
+            "workspace": backward_workspace(node, pending, index),
         }
         if index in triggers:
             for name in taken_at.get(index, ()):

@@ -51,6 +51,7 @@ from functools import cached_property
 from planner.ir import ActivationGraph, Region, RegionPolicy
 from planner.simulate import (
     LiveBytes,
+    backward_workspace,
     cache_name,
     cached_storages,
     held_storages,
@@ -327,7 +328,7 @@ def _backward_points(
     points: list[int] = []
     recompute_ms = 0.0
     for index in range(last, region.start - 1, -1):
-        flowing = chain.gradient_bytes_from[index] + graph.nodes[index].backward_workspace_bytes
+        flowing = chain.gradient_bytes_from[index] + backward_workspace(graph.nodes[index], pending, index)
         if index == trigger:
             for name in cached:
                 pending.remove(name)

@@ -85,6 +85,10 @@ class RegionCosts:
             node.checkpointable,
             node.forward_workspace_bytes,
             node.backward_workspace_bytes,
+            tuple(
+                (workspace_bytes, tuple(self._reference(name, index) for name in freed))
+                for workspace_bytes, freed in node.backward_points
+            ),
             node.replay_workspace_bytes,
             node.parameter_gradient_bytes,
         )

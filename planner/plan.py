@@ -128,6 +128,13 @@ class Plan:
         """A plain-text report: budget, predicted peaks and what sets them, breakdown, regions, levers."""
         return render_summary(self)
 
+    def compare(self, eager: Plan) -> str:
+        """For a plan made with `compile=True`: where it differs from `eager`, a plan of the same model
+        for the eager step, and why (see `compare_plans` in report.py)."""
+        from planner.report import compare_plans
+
+        return compare_plans(self, eager)
+
     def plot_timeline(self, path: str | Path, *, measured: MeasuredSeries | None = None) -> Path:
         """Save a plot of live memory over the step, with and without the plan (see planner/plots.py)."""
         from planner.plots import plot_timeline

@@ -41,6 +41,7 @@ __all__ = [
     "Lever",
     "LeverRule",
     "cannot_help_reason",
+    "compare_plans",
     "describe_peak",
     "estimate_levers",
     "levers_at_lowest_peak",
@@ -154,6 +155,39 @@ class Lever:
     estimated_peak_bytes: int
     saving_bytes: int
     assumption: str
+
+
+def _source_rows(plan: Plan) -> list[str]:
+    """Where the figures come from: a profiled eager step, or the compiled step's joint graph and the
+    peak `optimize(..., compile=True)` measured."""
+    compiled = plan.compiled
+    if compiled is None:
+        return [
+            "  every figure is predicted by the simulator from one profiled step "
+            f"({_timing_note(plan.graph.timing)});",
+            "  measure plan.module with planner.measure for measured figures",
+        ]
+    rows = [
+        "  figures are predicted by the simulator from the joint graph inductor partitions "
+        f"({_timing_note(plan.graph.timing)}),",
+        "  except the measured peak: the compiled forward and backward, run once by optimize",
+    ]
+    if compiled.measured_peak_bytes is not None:
+        over = compiled.measured_peak_bytes - plan.budget_bytes
+        rows.append(
+            f"  {'measured peak (compiled step)':<32}{format_bytes(compiled.measured_peak_bytes):>12}  "
+            + ("within the budget" if over <= 0 else f"OVER the budget by {format_bytes(over)}")
+        )
+    rows.append(
+        f"  {'compile time':<32}{compiled.compile_s:>10.1f} s  (planning {compiled.planning_s:.1f} s of it; "
+        f"{compiled.attempts} compilation{'s' if compiled.attempts > 1 else ''})"
+    )
+    if compiled.planned_budget_bytes < plan.budget_bytes:
+        rows.append(
+            f"  planned under {format_bytes(compiled.planned_budget_bytes)}: an earlier compilation measured "
+            "above the budget"
+        )
+    return rows
 
 
 def _timing_note(timing: str) -> str:
@@ -379,9 +413,7 @@ def render_summary(plan: Plan) -> str:
     lines = [
         f"checkpoint plan: {plan.solver} solver, {len(plan.graph.nodes)} nodes captured by {plan.capture}, "
         f"optimizer {plan.graph.optimizer}",
-        "  every figure is predicted by the simulator from one profiled step "
-        f"({_timing_note(plan.graph.timing)});",
-        "  measure plan.module with planner.measure for measured figures",
+        *_source_rows(plan),
         f"  {'budget':<32}{format_bytes(plan.budget_bytes):>12}",
         f"  {'predicted peak':<32}{format_bytes(plan.predicted_peak_bytes):>12}  "
         + (f"fits, {format_bytes(spare_bytes)} to spare" if spare_bytes >= 0 else "OVER the budget"),
@@ -417,3 +449,101 @@ def render_summary(plan: Plan) -> str:
             ),
         ]
     return "\n".join(lines)
+
+
+COMPARED_DEPTH = 2
+"""Module paths are compared at this depth ("blocks.3"): deep enough to name a block, shallow enough
+that an eager region over a whole block and compiled regions over its parts meet."""
+
+
+def _module_key(path: str) -> str:
+    return ".".join(path.split(".")[:COMPARED_DEPTH]) if path else "(model)"
+
+
+def _kept_by_module(graph: ActivationGraph) -> dict[str, int]:
+    """Activation bytes each module keeps for backward without checkpointing (a storage counts once,
+    for the first module that saves it)."""
+    kept: dict[str, int] = {}
+    counted: set[str] = set()
+    for node in graph.nodes:
+        fresh = [name for name in node.saves if name not in counted]
+        counted.update(fresh)
+        key = _module_key(node.module_path)
+        kept[key] = kept.get(key, 0) + sum(graph.storage_bytes[name] for name in fresh)
+    return kept
+
+
+def _recomputed_modules(plan: Plan) -> set[str]:
+    return {
+        _module_key(node.module_path)
+        for region in plan.schedule.checkpointed
+        for index, node in enumerate(plan.graph.nodes[region.start : region.stop], start=region.start)
+        if index not in region.keep and node.forward_ms > 0
+    }
+
+
+def compare_plans(compiled: Plan, eager: Plan) -> str:
+    """Where a plan for the compiled step and a plan for the eager step of the same model differ, and
+    why, from their graphs (all figures predicted; see `Plan.compare`)."""
+    kept = {"eager": _kept_by_module(eager.graph), "compiled": _kept_by_module(compiled.graph)}
+    totals = {mode: sum(by_module.values()) for mode, by_module in kept.items()}
+    recomputed = {"eager": _recomputed_modules(eager), "compiled": _recomputed_modules(compiled)}
+    lines = [
+        f"compiled plan vs eager plan (predicted figures; module paths at depth {COMPARED_DEPTH}):",
+        f"  {'':<34}{'eager':>14}{'compiled':>14}",
+    ]
+    for label, of in (
+        ("budget", lambda plan: format_bytes(plan.budget_bytes)),
+        ("peak, no checkpointing", lambda plan: format_bytes(plan.baseline_peak_bytes)),
+        ("lowest achievable peak", lambda plan: format_bytes(plan.min_peak_bytes)),
+        ("peak of the plan", lambda plan: format_bytes(plan.predicted_peak_bytes)),
+        ("recompute / step time", lambda plan: f"{plan.predicted_overhead:.1%}"),
+        ("  per-node times", lambda plan: plan.graph.timing.split(" ")[0]),
+    ):
+        lines.append(f"  {label:<34}{of(eager):>14}{of(compiled):>14}")
+    lines += [
+        f"  {'activations kept, no checkpointing':<34}"
+        f"{format_bytes(totals['eager']):>14}{format_bytes(totals['compiled']):>14}",
+        f"  {'modules recomputed':<34}{len(recomputed['eager']):>14}{len(recomputed['compiled']):>14}",
+    ]
+    why = _kept_difference(totals["eager"], totals["compiled"])
+    for mode, other in (("eager", "compiled"), ("compiled", "eager")):
+        only = sorted(recomputed[mode] - recomputed[other])
+        if not only:
+            continue
+        listed = ", ".join(display_module(name) for name in only[:8])
+        more = f" and {len(only) - 8} more" if len(only) > 8 else ""
+        lines.append(f"  recomputed only {mode}: {listed}{more}")
+        why += [
+            f"{display_module(name)} keeps {format_bytes(kept['eager'].get(name, 0))} eager and "
+            f"{format_bytes(kept['compiled'].get(name, 0))} compiled without checkpointing"
+            for name in only[:3]
+            if kept["eager"].get(name, 0) != kept["compiled"].get(name, 0)
+        ]
+    keeps = sum(len(region.keep) for region in compiled.schedule.checkpointed)
+    if keeps:
+        why.append(
+            f"the compiled plan saves {keeps} values inside recomputed regions: compiled, such a keep costs "
+            "no per-operator callback (eager selective checkpointing does), so it pays wherever it saves time"
+        )
+    text = "why: " + "; ".join(why) + "." if why else "why: both steps keep the same bytes per module."
+    lines += textwrap.wrap(text, width=REPORT_WIDTH, initial_indent="  ", subsequent_indent="    ")
+    return "\n".join(lines)
+
+
+def _kept_difference(eager_bytes: int, compiled_bytes: int) -> list[str]:
+    """Why the two steps' plans start from different places, in words (empty when they do not)."""
+    if compiled_bytes < eager_bytes:
+        return [
+            f"inductor keeps {format_bytes(eager_bytes - compiled_bytes)} less for backward than eager "
+            "autograd without any checkpointing: it recomputes cheap pointwise operators inside its "
+            "backward kernels and never stores what it fuses, so the compiled step needs less "
+            "checkpointing for a budget"
+        ]
+    if compiled_bytes > eager_bytes:
+        return [
+            f"inductor keeps {format_bytes(compiled_bytes - eager_bytes)} more for backward than eager "
+            "autograd (copies made for its kernels, such as channels-last weights, and values stored between "
+            "kernels), so the compiled step needs more checkpointing for a budget"
+        ]
+    return []

@@ -62,7 +62,7 @@ from planner.compiled_graph import (
     retained_storages,
     saved_values,
 )
-from planner.errors import PlannerError, UnsupportedModel, format_bytes
+from planner.errors import InfeasibleBudget, PlannerError, UnsupportedModel, format_bytes
 from planner.ir import StaticBytes, TrainingStep
 from planner.measurement import (
     AllocatorPhases,
@@ -78,7 +78,7 @@ from planner.simulate import for_training_step
 from planner.solving import plan_graph
 from planner.static_memory import optimizer_name, static_bytes
 
-__all__ = ["CompiledPlanning", "optimize_compiled", "profile_loss"]
+__all__ = ["CompiledPlanning", "optimize_compiled", "plan_compiled_step", "profile_loss"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,8 @@ class CompiledPlanning(CustomPartitionerFn):
     request: _Request
     plans: list[Plan] = field(default_factory=list)
     planning_s: float = 0.0
+    plan_only: bool = False
+    """Stop the compile once the plan is made (`plan_compiled_step`): nothing is generated or compiled."""
 
     def __call__(
         self, gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any
@@ -144,6 +146,9 @@ class CompiledPlanning(CustomPartitionerFn):
             chosen.update(plan=plan, compiled=compiled)
             values = saved_values(compiled, retained_storages(graph, plan.schedule))
             self.planning_s += time.perf_counter() - started
+            if self.plan_only:
+                self.plans.append(plan)
+                raise _PlanOnly
             return values
 
         with _substituted(partitioners, SUBSTITUTED, choose):
@@ -158,6 +163,10 @@ class CompiledPlanning(CustomPartitionerFn):
     def __deepcopy__(self, memo: dict[int, Any]) -> CompiledPlanning:
         # inductor deep-copies its config (this object among it) to write repro scripts
         return self
+
+
+class _PlanOnly(Exception):
+    """Raised by a `plan_only` partitioner once it has planned, to stop the compile there."""
 
 
 @contextlib.contextmanager
@@ -260,9 +269,79 @@ def optimize_compiled(
     NOTE [checked budget]: the compiled forward and backward are then measured once on the example
     inputs (the optimizer step runs eagerly and is predicted as for eager plans). Where the measured
     peak exceeds the budget, the model of inductor's memory missed something: the plan is made and
-    compiled again with the budget lowered by the excess, at most `MAX_ATTEMPTS` times in all.
+    compiled again with the budget lowered by the excess, at most `MAX_ATTEMPTS` times in all. A
+    budget that even the lowest plan measures above raises `InfeasibleBudget` with that measurement.
     """
     started = time.perf_counter()
+    call, request = _prepare(model, inputs, kwargs, budget_bytes, optimizer, step, loss_fn, solver, device)
+    planning_s = 0.0
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        plan, module, spent_s = _plan_and_compile(call, request)
+        planning_s += spent_s
+        measured_bytes = _checked_peak_bytes(plan, module, call)
+        if measured_bytes is None or measured_bytes <= budget_bytes or attempt == MAX_ATTEMPTS:
+            break
+        lowered_bytes = max(plan.min_peak_bytes, request.budget_bytes - (measured_bytes - budget_bytes))
+        if lowered_bytes >= request.budget_bytes:
+            raise InfeasibleBudget(
+                budget_bytes=budget_bytes, min_peak_bytes=measured_bytes, breakdown=plan.simulation.breakdown
+            )
+        log.warning(
+            "compiled plan measured %s over its budget of %s (predicted %s); planning again under %s",
+            format_bytes(measured_bytes - budget_bytes),
+            format_bytes(budget_bytes),
+            format_bytes(plan.predicted_peak_bytes),
+            format_bytes(lowered_bytes),
+        )
+        request = dataclasses.replace(request, budget_bytes=lowered_bytes)
+    plan.module = module
+    plan.budget_bytes = budget_bytes
+    plan.compiled = CompiledStep(
+        compile_s=time.perf_counter() - started,
+        planning_s=planning_s,
+        measured_peak_bytes=measured_bytes,
+        planned_budget_bytes=request.budget_bytes,
+        attempts=attempt,
+    )
+    log.info("planned and compiled in %.1f s (%.1f s planning)", plan.compiled.compile_s, planning_s)
+    return plan
+
+
+def plan_compiled_step(
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    *,
+    budget_bytes: int,
+    optimizer: OptimizerSpec,
+    step: TrainingStep,
+    loss_fn: Callable[[Any], torch.Tensor],
+    solver: str,
+    device: str | DeviceSpec | None,
+) -> Plan:
+    """The plan `optimize_compiled` would install, without compiling anything: dynamo and AOT autograd
+    trace the step, the partitioner plans it and stops the compile there. `plan.module` is None, and
+    nothing is measured; the lowest and no-checkpointing peaks cost seconds, not a compile."""
+    call, request = _prepare(model, inputs, kwargs, budget_bytes, optimizer, step, loss_fn, solver, device)
+    planning = CompiledPlanning(request, plan_only=True)
+    module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), fullgraph=True))
+    with torch._dynamo.config.patch(DYNAMO_LIMITS):
+        _compile_step(module, call)
+    return planning.plans[0]
+
+
+def _prepare(
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    budget_bytes: int,
+    optimizer: OptimizerSpec,
+    step: TrainingStep,
+    loss_fn: Callable[[Any], torch.Tensor],
+    solver: str,
+    device: str | DeviceSpec | None,
+) -> tuple[_ExampleStep, _Request]:
+    """The example step and the planning request: static memory probed, the loss measured."""
     targets: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
     targets += [t for t in tensors_in((inputs, kwargs)) if t.requires_grad]
     if not targets:
@@ -279,35 +358,7 @@ def optimize_compiled(
         optimizer=optimizer_name(optimizer),
         step=step,
     )
-    call = _ExampleStep(model, inputs, kwargs, loss_fn, targets)
-    planning_s = 0.0
-    for attempt in range(1, MAX_ATTEMPTS + 1):
-        plan, module, spent_s = _plan_and_compile(call, request)
-        planning_s += spent_s
-        measured_bytes = _checked_peak_bytes(plan, module, call)
-        if measured_bytes is None or measured_bytes <= budget_bytes or attempt == MAX_ATTEMPTS:
-            break
-        log.warning(
-            "compiled plan measured %s over its budget of %s (predicted %s); planning again under %s",
-            format_bytes(measured_bytes - budget_bytes),
-            format_bytes(budget_bytes),
-            format_bytes(plan.predicted_peak_bytes),
-            format_bytes(request.budget_bytes - (measured_bytes - budget_bytes)),
-        )
-        request = dataclasses.replace(
-            request, budget_bytes=request.budget_bytes - (measured_bytes - budget_bytes)
-        )
-    plan.module = module
-    plan.budget_bytes = budget_bytes
-    plan.compiled = CompiledStep(
-        compile_s=time.perf_counter() - started,
-        planning_s=planning_s,
-        measured_peak_bytes=measured_bytes,
-        planned_budget_bytes=request.budget_bytes,
-        attempts=attempt,
-    )
-    log.info("planned and compiled in %.1f s (%.1f s planning)", plan.compiled.compile_s, planning_s)
-    return plan
+    return _ExampleStep(model, inputs, kwargs, loss_fn, targets), request
 
 
 MAX_ATTEMPTS = 3
@@ -395,6 +446,8 @@ def _compile_step(module: torch.nn.Module, call: _ExampleStep) -> None:
         with preserved_state(call.model):
             call.run(module)
     except Exception as error:
+        if _caused_by(error, _PlanOnly):
+            return
         cause = _planner_cause(error)
         if cause is not None:
             raise cause from None
@@ -406,11 +459,17 @@ def _compile_step(module: torch.nn.Module, call: _ExampleStep) -> None:
         raise
 
 
-def _planner_cause(error: BaseException | None) -> PlannerError | None:
+def _planner_cause(error: BaseException) -> PlannerError | None:
     """The planner error at the root of an exception the compiler wrapped, if there is one."""
+    cause = _caused_by(error, PlannerError)
+    return cause if isinstance(cause, PlannerError) else None
+
+
+def _caused_by(error: BaseException | None, kind: type[BaseException]) -> BaseException | None:
+    """The exception of `kind` in the chain of `error` (the compiler wraps what a backend raises)."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, PlannerError):
+        if isinstance(error, kind):
             return error
         seen.add(id(error))
         error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__

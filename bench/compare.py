@@ -12,8 +12,9 @@ eager
     peer's measured peak as the budget.
 compiled (`torch.compile`, inductor)
     `torch._functorch.config.activation_memory_budget` at several fractions (1.0 is compiled no
-    checkpointing); `torch.compile(plan.module)` of our `dp` and `ilp` plans with each fraction's measured
-    peak as the budget. Both sides are compiled, so compile speed-ups bias neither.
+    checkpointing); our `dp` and `ilp` plans of the compiled step (`planner.optimize(..., compile=True)`,
+    planner/compiled.py) with each fraction's measured peak as the budget. Both sides are compiled, so
+    compile speed-ups bias neither.
 
 For every row: the measured peak of two Adam training steps, whether it respected the budget it was
 given, the step-time ratio against no checkpointing of the same mode (median over interleaved rounds,
@@ -48,10 +49,10 @@ to `COMPILED_GRADIENT_RTOL` of its norm (`peers.gradient_error`). (`torch._induc
 would draw eager's masks, but then a random op that the partitioner recomputes draws a new mask: not what
 users run.)
 
-NOTE [compiled budgets]: our planner predicts the eager step. Under torch.compile the same plan's peak
-differs (inductor fuses ops and keeps fewer or other intermediates), so for a compiled peer's peak P
-`optimize` is given P less (compiled - eager) measured peak of no checkpointing: the one number a user
-would measure before planning for a compiled model. The row is judged against P itself.
+NOTE [compiled budgets]: our compiled rows plan the compiled step itself, so a compiled peer's measured
+peak P is their budget as it is, in the same currency (the allocator's bytes of the whole step). The
+compiled step is read once without compiling (`plan_compiled_step`) and solved at every budget and
+solver; rows whose schedules agree share one compilation (`CompiledPlans`).
 
 NOTE [compile caches]: `activation_memory_budget` is not part of the FX-graph or AOT-autograd cache
 keys, so both caches are switched off (`torch._inductor.config.fx_graph_cache`,
@@ -68,6 +69,7 @@ Run from the repository root (two models at a time by default, `--jobs`; see `DE
     .venv/bin/python bench/compare.py --models gpt_tiny,hf_gpt2 --out /tmp/compare.json
     .venv/bin/python bench/compare.py --device cuda    # its own files: compare_cuda.{json,md,png}
     .venv/bin/python bench/compare.py --render bench/results/compare.json    # tables and plot again
+    .venv/bin/python bench/compare.py --compiled-only --out /tmp/compiled.json  # compiled rows alone
 
 Results: JSON at `--out` (default `bench/results/compare.json`, `compare_quick.json` with `--quick`), the
 markdown tables (`.md`, also printed to stdout; verdicts and rendering live in bench/compare_report.py) and
@@ -130,11 +132,13 @@ from peers import (
     sqrt_segments_peer,
     variant_of,
 )
-from torch.profiler import ProfilerActivity, profile, record_function
 
 import planner
 from planner import zoo
-from planner.measurement import default_loss, tensors_in
+from planner.compiled import plan_compiled_step
+from planner.ir import TrainingStep
+from planner.measurement import AllocatorPhases, default_loss, storage_bytes, tensors_in
+from planner.solving import plan_graph
 from planner.zoo_real import ExampleCall, build_call
 
 log = logging.getLogger("bench.compare")
@@ -171,7 +175,9 @@ which use one core, so two processes finish the zoo in about half the time. Each
 variants in interleaved rounds, so the other process slows all of them alike."""
 COMPILED_REGION_EVENT = "Torch-Compiled Region"
 """Profiler event name of a compiled frame: its absence means dynamo ran the step eagerly."""
-FORWARD_LABEL = "bench.compare.forward"
+BEFORE_FORWARD, FORWARD = "before forward", "forward"
+"""Phases `allocator_step_memory` marks: the bytes kept after forward are the second's end less the
+first's."""
 DIFFERENT_MASKS = "not comparable: inductor draws other dropout masks than eager (NOTE [compiled gradients])"
 
 
@@ -183,6 +189,8 @@ class Settings:
     quick: bool
     jobs: int
     """Models benchmarked at once, each in its own process with cpu_count / jobs torch threads."""
+    compiled_only: bool = False
+    """Measure the compiled rows alone (no eager peers and plans)."""
 
 
 @dataclass
@@ -248,20 +256,8 @@ def compiled(variant: Variant, fraction: float) -> Variant:
     return Variant(module=module, parameters=variant.parameters, buffers=variant.buffers)  # type: ignore[arg-type]
 
 
-def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (tied weights and views count once)."""
-    sizes = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
-    return sum(sizes.values())
-
-
 def static_bytes(module: torch.nn.Module, call: ExampleCall) -> int:
     return storage_bytes([*module.parameters(), *module.buffers(), *tensors_in((call.args, call.kwargs))])
-
-
-@contextlib.contextmanager
-def marked_forward() -> Iterator[None]:
-    with record_function(FORWARD_LABEL):
-        yield
 
 
 def train_two_steps(module: torch.nn.Module, call: ExampleCall, on_forward: Callable[[], Any]) -> None:
@@ -279,22 +275,19 @@ def train_two_steps(module: torch.nn.Module, call: ExampleCall, on_forward: Call
 def allocator_step_memory(module: torch.nn.Module, call: ExampleCall) -> StepMemory:
     """CPU: the allocator's events over two steps (NOTE [measuring compiled steps]). Trains `module`."""
     module.zero_grad(set_to_none=True)
-    resident_bytes = static_bytes(module, call)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+    with AllocatorPhases(static_bytes(module, call)) as allocator:
+
+        @contextlib.contextmanager
+        def marked_forward() -> Iterator[None]:
+            allocator.on_phase(BEFORE_FORWARD)
+            yield
+            allocator.on_phase(FORWARD)
+
         train_two_steps(module, call, marked_forward)
-    events = sorted(profiler.profiler.kineto_results.events(), key=lambda event: event.start_ns())
-    forward = [event for event in events if event.name() == FORWARD_LABEL][-1]
-    live_bytes = peak_bytes = kept_bytes = 0
-    for event in events:
-        if event.name() == "[memory]":
-            live_bytes += event.nbytes()
-            peak_bytes = max(peak_bytes, live_bytes)
-            if forward.start_ns() <= event.start_ns() <= forward.end_ns():
-                kept_bytes += event.nbytes()
     return StepMemory(
-        peak_bytes=resident_bytes + peak_bytes,
-        kept_after_forward_bytes=kept_bytes,
-        ran_compiled=any(event.name().startswith(COMPILED_REGION_EVENT) for event in events),
+        peak_bytes=max(allocator.peaks.values()),
+        kept_after_forward_bytes=allocator.ends[FORWARD] - allocator.ends[BEFORE_FORWARD],
+        ran_compiled=any(name.startswith(COMPILED_REGION_EVENT) for name in allocator.event_names),
     )
 
 
@@ -406,11 +399,11 @@ def optimize_at(call: ExampleCall, budget_bytes: int, solver: str) -> planner.Pl
     )
 
 
-def our_row(peer: Row, solver: str, *, offset_bytes: int) -> Row:
+def our_row(peer: Row, solver: str) -> Row:
     assert peer.peak_bytes is not None
     return Row(
         method="ours", mode=peer.mode, family=Family.OURS, peer=label(peer), solver=solver,
-        budget_bytes=peer.peak_bytes, planned_budget_bytes=peer.peak_bytes - offset_bytes,
+        budget_bytes=peer.peak_bytes, planned_budget_bytes=peer.peak_bytes,
     )  # fmt: skip
 
 
@@ -488,15 +481,61 @@ class OurPlans:
         if key not in self.by_schedule:
             assert plan.module is not None
             model = self.call.model
-            source = Variant(plan.module, tuple(model.parameters()), tuple(model.buffers()))
-            eager = self.none.row.mode is Mode.EAGER
-            self.by_schedule[key] = (
-                source if eager else compiled(copied_variant(source), NO_CHECKPOINTING_FRACTION)
-            )
+            self.by_schedule[key] = Variant(plan.module, tuple(model.parameters()), tuple(model.buffers()))
         return self.by_schedule[key]
 
 
-def our_candidate(plans: OurPlans, row: Row) -> Candidate | None:
+class CompiledPlans:
+    """Our plans of the compiled step (NOTE [compiled budgets]): the step's graph read once without
+    compiling, solved at each (solver, budget), and compiled once per distinct schedule, on a copy of the
+    model. Budgets below the predicted lowest peak are planned at it (NOTE [infeasible at the peer's
+    peak])."""
+
+    def __init__(self, call: ExampleCall) -> None:
+        self.call = call
+        self.reference = plan_compiled_step(
+            call.model, call.args, call.kwargs, budget_bytes=REFERENCE_BUDGET_BYTES, optimizer="adam",
+            step=TrainingStep(), loss_fn=default_loss, solver="dp", device=None,
+        )  # fmt: skip
+        self.by_schedule: dict[Any, tuple[planner.Plan, Variant]] = {}
+
+    @property
+    def min_peak_bytes(self) -> int:
+        return self.reference.min_peak_bytes
+
+    def planned(self, solver: str, budget_bytes: int) -> PlannedVariant:
+        infeasible_min_peak_bytes = None
+        if budget_bytes < self.reference.min_peak_bytes:
+            infeasible_min_peak_bytes = budget_bytes = self.reference.min_peak_bytes
+        schedule = plan_graph(self.reference.graph, budget_bytes=budget_bytes, solver=solver).schedule
+        key = tuple((region.start, region.stop, region.keep) for region in schedule.checkpointed)
+        if key not in self.by_schedule:
+            copied = copied_variant(variant_of(self.call.model))
+            plan = planner.optimize(
+                copied.module, self.call.args, example_kwargs=self.call.kwargs, budget_bytes=budget_bytes,
+                solver=solver, compile=True,
+            )  # fmt: skip
+            assert plan.module is not None and plan.compiled is not None
+            log.info(
+                "  compiled plan at %s MiB (%s): %.1f s, %d compilation(s)",
+                mib(budget_bytes), solver, plan.compiled.compile_s, plan.compiled.attempts,
+            )  # fmt: skip
+            self.by_schedule[key] = (plan, Variant(plan.module, copied.parameters, copied.buffers))
+        plan, variant = self.by_schedule[key]
+        assert plan.compiled is not None
+        return PlannedVariant(
+            predicted_peak_bytes=plan.predicted_peak_bytes,
+            checkpointed_regions=len(plan.regions),
+            infeasible_min_peak_bytes=infeasible_min_peak_bytes,
+            description=(
+                f"{len(plan.regions)} checkpointed regions, compiled plan, {plan.compiled.attempts} "
+                f"compilation(s), {plan.compiled.compile_s:.1f} s"
+            ),
+            variant=variant,
+        )
+
+
+def our_candidate(plans: OurPlans | CompiledPlans, row: Row) -> Candidate | None:
     """`row` with our plan at its planned budget, or None (and the row says why) when planning fails."""
     assert row.planned_budget_bytes is not None and row.solver is not None
     try:
@@ -514,16 +553,15 @@ def our_candidate(plans: OurPlans, row: Row) -> Candidate | None:
 
 
 def our_candidates(
-    plans: OurPlans, peers: Sequence[Candidate], *, offset_bytes: int = 0
+    plans: OurPlans | CompiledPlans, peers: Sequence[Candidate]
 ) -> tuple[list[Candidate], list[Row]]:
-    """Our `dp` and `ilp` plans at each measured peer's peak less `offset_bytes` (NOTE [compiled budgets]),
-    and the rows whose planning failed."""
+    """Our `dp` and `ilp` plans at each measured peer's peak, and the rows whose planning failed."""
     candidates, failed = [], []
     for peer in peers:
         if peer.row.peak_bytes is None:
             continue
         for solver in SOLVERS:
-            row = our_row(peer.row, solver, offset_bytes=offset_bytes)
+            row = our_row(peer.row, solver)
             candidate = our_candidate(plans, row)
             if candidate is None:
                 failed.append(row)
@@ -649,25 +687,16 @@ def respects_fraction(row: Row, baseline: Row) -> bool | None:
     return row.kept_after_forward_bytes <= allowed_bytes
 
 
-def compiled_rows(
-    call: ExampleCall,
-    reference: StepRecord,
-    predicted: PredictedRange,
-    settings: Settings,
-    *,
-    eager_none_peak_bytes: int,
-) -> list[Row]:
-    """torch.compile at each activation_memory_budget, and our plans compiled at the fractions' peaks."""
+def compiled_rows(call: ExampleCall, reference: StepRecord, settings: Settings) -> list[Row]:
+    """torch.compile at each activation_memory_budget, and our plans of the compiled step at the
+    fractions' peaks."""
     log.info(" compiled rows")
     none, *peers = [fraction_candidate(call, fraction) for fraction in settings.fractions]
     compiled_reference = measure_candidate(none, call, reference)
     measure_all(peers, call, compiled_reference)
     for peer in peers:
         peer.row.within_budget = respects_fraction(peer.row, none.row)
-    assert none.row.peak_bytes is not None
-    offset_bytes = none.row.peak_bytes - eager_none_peak_bytes
-    plans = OurPlans(call, none, predicted)
-    ours, failed = our_candidates(plans, measured_ones(peers), offset_bytes=offset_bytes)
+    ours, failed = our_candidates(CompiledPlans(call), measured_ones(peers))
     measure_all(ours, call, compiled_reference, measured=[none, *peers])
     time_candidates(measured_ones([none, *peers, *ours]), call, rounds=settings.rounds)
     return [candidate.row for candidate in (none, *peers, *ours)] + failed
@@ -697,17 +726,16 @@ def benchmark_model(name: str, settings: Settings) -> ModelResult:
     started_s = time.perf_counter()
     call = build_example(name, settings.device)
     result = ModelResult(name=name, device=settings.device)
-    reference_plan = optimize_at(call, REFERENCE_BUDGET_BYTES, "dp")
-    predicted = PredictedRange(reference_plan)
-    result.capture = reference_plan.capture
-    result.predicted_min_peak_bytes = predicted.min_peak_bytes
-    result.predicted_baseline_peak_bytes = predicted.baseline_peak_bytes
     reference = one_step(variant_of(call.model), call.args, kwargs=call.kwargs)
-    eager = eager_rows(call, reference, predicted, settings)
-    assert eager[0].peak_bytes is not None
-    result.rows = eager + compiled_rows(
-        call, reference, predicted, settings, eager_none_peak_bytes=eager[0].peak_bytes
-    )
+    eager: list[Row] = []
+    if not settings.compiled_only:
+        reference_plan = optimize_at(call, REFERENCE_BUDGET_BYTES, "dp")
+        predicted = PredictedRange(reference_plan)
+        result.capture = reference_plan.capture
+        result.predicted_min_peak_bytes = predicted.min_peak_bytes
+        result.predicted_baseline_peak_bytes = predicted.baseline_peak_bytes
+        eager = eager_rows(call, reference, predicted, settings)
+    result.rows = eager + compiled_rows(call, reference, settings)
     if settings.device == "cpu":
         compiled_none = next(row for row in result.rows if row.mode is Mode.COMPILED)
         result.tracker_check = tracker_check(call, compiled_none)
@@ -733,6 +761,7 @@ def run_in_subprocess(name: str, settings: Settings, directory: Path) -> ModelRe
         settings.device,
     ]
     command += ["--threads", str(worker_threads(settings.jobs)), *(["--quick"] if settings.quick else [])]
+    command += ["--compiled-only"] if settings.compiled_only else []
     try:
         subprocess.run(command, check=True, timeout=MODEL_TIMEOUT_S)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
@@ -776,6 +805,7 @@ def settings_for(arguments: argparse.Namespace) -> Settings:
         rounds=QUICK_TIMING_ROUNDS if arguments.quick else TIMING_ROUNDS,
         quick=arguments.quick,
         jobs=arguments.jobs,
+        compiled_only=arguments.compiled_only,
     )
 
 
@@ -803,6 +833,9 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
         help=f"models at once, each with cpu_count/jobs torch threads (default {DEFAULT_JOBS})",
     )
     parser.add_argument("--render", type=Path, help="rewrite the .md and .png of a JSON this script wrote")
+    parser.add_argument(
+        "--compiled-only", action="store_true", help="the compiled rows alone (no eager peers or plans)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
@@ -873,6 +906,7 @@ def main(argv: Sequence[str]) -> int:
         "rounds": settings.rounds,
         "fractions": settings.fractions,
         "jobs": settings.jobs,
+        "compiled_only": settings.compiled_only,
         "torch_threads_per_model": worker_threads(settings.jobs),
     }
     results = run_all(arguments.models, settings, previous=arguments.out)

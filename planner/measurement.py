@@ -141,6 +141,8 @@ class LiveStorageTracker(TorchDispatchMode):
         return output
 
 
+AFTER_LAST_PHASE = "after the last phase"
+"""`AllocatorPhases.peaks` key of what ran after the last `on_phase` call."""
 PHASE_MARK = "planner.phase:"
 """Name prefix of the profiler events `AllocatorPhases` marks the end of each phase with."""
 
@@ -148,13 +150,16 @@ PHASE_MARK = "planner.phase:"
 class AllocatorPhases:
     """Peak live bytes per phase from the CPU allocator's events (NOTE [compiled steps]).
 
-    Use as a context manager; call `on_phase(name)` at the end of each phase. `peaks` (phase -> bytes,
-    with `resident_bytes` added) is filled when the context exits.
+    Use as a context manager; call `on_phase(name)` at the end of each phase. When the context exits,
+    `peaks` holds each phase's peak and `ends` the live bytes at its (last) end, both with
+    `resident_bytes` added, and `event_names` the names of every profiler event seen.
     """
 
     def __init__(self, resident_bytes: int) -> None:
         self.resident_bytes = resident_bytes
         self.peaks: dict[str, int] = {}
+        self.ends: dict[str, int] = {}
+        self.event_names: set[str] = set()
         self._profiler = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         )
@@ -172,15 +177,21 @@ class AllocatorPhases:
         assert self._profiler.profiler is not None and self._profiler.profiler.kineto_results is not None
         events = sorted(self._profiler.profiler.kineto_results.events(), key=lambda event: event.start_ns())
         live_bytes = phase_peak_bytes = 0
+        unmarked = False
         for event in events:
+            self.event_names.add(event.name())
             if event.name() == "[memory]":
                 live_bytes += event.nbytes()  # type: ignore[attr-defined]  # in the binding, not its stub
                 phase_peak_bytes = max(phase_peak_bytes, live_bytes)
+                unmarked = True
             elif event.name().startswith(PHASE_MARK):
                 phase = event.name().removeprefix(PHASE_MARK)
                 peak_bytes = self.resident_bytes + phase_peak_bytes
                 self.peaks[phase] = max(self.peaks.get(phase, 0), peak_bytes)
-                phase_peak_bytes = live_bytes
+                self.ends[phase] = self.resident_bytes + live_bytes
+                phase_peak_bytes, unmarked = live_bytes, False
+        if unmarked or not self.peaks:
+            self.peaks[AFTER_LAST_PHASE] = self.resident_bytes + phase_peak_bytes
 
 
 def is_compiled(model: torch.nn.Module) -> bool:
@@ -190,7 +201,7 @@ def is_compiled(model: torch.nn.Module) -> bool:
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors` (tied weights and views count once)."""
-    sizes = {id(tensor.untyped_storage()): tensor.untyped_storage().nbytes() for tensor in tensors}
+    sizes = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
     return sum(sizes.values())
 
 

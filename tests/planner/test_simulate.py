@@ -129,3 +129,25 @@ def test_unknown_schema_version_is_rejected_with_the_version_found() -> None:
     data["schema"] = "planner.graph/v0"
     with pytest.raises(ValueError, match="planner.graph/v0"):
         graph_from_dict(data)
+
+
+def test_a_compiled_backward_frees_what_it_read_before_its_largest_buffer() -> None:
+    """NOTE [early release]: n2's backward first reads s1 (a weight gradient), then holds 2 MiB (the input
+    gradient). Where s1 leaves at n2, the 2 MiB moment does not also hold s1; where an earlier node
+    holds s1 longer (n1 saves it too), it does."""
+    graph = chain_graph([2, 2, 2])
+    nodes = list(graph.nodes)
+    nodes[2] = dataclasses.replace(nodes[2], backward_points=((1 * MIB, ()), (2 * MIB, ("s1",))))
+    freed = dataclasses.replace(graph, nodes=tuple(nodes))
+    nodes[1] = dataclasses.replace(nodes[1], saves=("s0", "s1"))
+    held = dataclasses.replace(graph, nodes=tuple(nodes))
+
+    def at_n2(of: ActivationGraph) -> int:
+        result = simulate(of, store_everything(of))
+        return next(s.live_bytes for s in result.trace if s.phase is Phase.BACKWARD and s.node == "n2")
+
+    gradients = int(0.25 * MIB)
+    # s0 and s1 pending (4) + max(1 - 0, 2 - 2) = 1 while s1 goes; + max(1, 2) = 2 while n1 keeps it.
+    assert at_n2(freed) == (STATIC_MIB + 4 + 1) * MIB + gradients
+    assert at_n2(held) == (STATIC_MIB + 4 + 2) * MIB + gradients
+    assert graph_from_dict(graph_to_dict(freed)) == freed

@@ -1,0 +1,196 @@
+"""Compile time of a planned model (`planner.optimize(..., compile=True)`) beside `torch.compile`'s own.
+
+Why it exists: planning the compiled step happens inside the compile (planner/compiled.py), so its cost
+is paid every time a model is compiled; the issue's bound is that planning must not more than double
+the compile. Each measurement runs in a fresh interpreter with an empty inductor cache directory and
+inductor's FX-graph and AOT-autograd caches off, so every kernel is generated and built again (cold):
+
+- torch.compile: `torch.compile(model)`, then the first forward and backward on the example inputs,
+  less a second (warm) forward and backward: the seconds dynamo, AOT autograd and inductor spent; also
+  with `activation_memory_budget=0.5`, whose backward recomputes and so has more kernels to build;
+- planned: `planner.optimize(model, inputs, budget_bytes=B, compile=True)`, less a warm forward and
+  backward of `plan.module`. It includes everything `optimize` does: the optimizer probe, the loss's
+  measurement, the partitioner's planning, the compile, and the forward and backward it measures to
+  check the budget (NOTE [checked budget]), and any compilation made again.
+
+B is the budget halfway between the planned lowest peak and the planned peak without checkpointing,
+found first in a third interpreter without compiling (`plan_compiled_step`).
+
+    .venv/bin/python bench/compile_time.py                       # the compare bench's models
+    .venv/bin/python bench/compile_time.py --models gpt_tiny,unet --out /tmp/compile_time.json
+
+Results: JSON at `--out` (default bench/results/compile_time.json) and a markdown table beside it. The
+machine's load average is recorded before the first model: timings on a shared machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from compare import MODELS, build_example
+from peers import machine
+
+import planner
+from planner.compiled import plan_compiled_step
+from planner.ir import TrainingStep
+from planner.measurement import default_loss
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MID_FRACTION = 0.5
+PEER_PERCENT = 50
+"""torch.compile is also timed at activation_memory_budget=0.5: a compile that recomputes in backward
+generates kernels for the recomputation too, whoever chose it."""
+MAX_RATIO = 2.0
+"""The bound: planned compile time at most twice torch.compile's."""
+WORKER_TIMEOUT_S = 1800
+
+
+def _forward_backward(module: torch.nn.Module, call: Any) -> float:
+    """Seconds of one forward and backward (gradients accumulate; nothing here reads them)."""
+    started = time.perf_counter()
+    default_loss(module(*call.args, **call.kwargs)).backward()
+    return time.perf_counter() - started
+
+
+def _torch_compile_s(name: str, percent: int = 100) -> dict[str, Any]:
+    """torch.compile's compile time, at `activation_memory_budget` = `percent` / 100 (100: its default)."""
+    call = build_example(name, "cpu")
+    with torch._functorch.config.patch(activation_memory_budget=percent / 100):
+        module = torch.compile(call.model)
+        first_s = _forward_backward(module, call)
+    return {"compile_s": first_s - _forward_backward(module, call)}
+
+
+def _planned_budget(name: str) -> dict[str, Any]:
+    call = build_example(name, "cpu")
+    plan = plan_compiled_step(
+        call.model, call.args, call.kwargs, budget_bytes=2**40, optimizer="adam", step=TrainingStep(),
+        loss_fn=default_loss, solver="auto", device=None,
+    )  # fmt: skip
+    lowest, baseline = plan.min_peak_bytes, plan.baseline_peak_bytes
+    return {"budget_bytes": int(lowest + MID_FRACTION * (baseline - lowest))}
+
+
+def _planned_compile_s(name: str, budget_bytes: int) -> dict[str, Any]:
+    call = build_example(name, "cpu")
+    started = time.perf_counter()
+    plan = planner.optimize(
+        call.model, call.args, example_kwargs=call.kwargs, budget_bytes=budget_bytes, compile=True
+    )
+    optimize_s = time.perf_counter() - started
+    assert plan.module is not None and plan.compiled is not None
+    return {
+        "compile_s": optimize_s - _forward_backward(plan.module, call),
+        "planning_s": plan.compiled.planning_s,
+        "attempts": plan.compiled.attempts,
+        "checkpointed_regions": len(plan.regions),
+    }
+
+
+WORKERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "torch.compile": _torch_compile_s,
+    "budget": _planned_budget,
+    "planned": _planned_compile_s,
+}
+
+
+def _in_fresh_process(kind: str, name: str, *arguments: int) -> dict[str, Any]:
+    """Run one worker in a new interpreter with an empty inductor cache (a cold compile)."""
+    with tempfile.TemporaryDirectory(prefix="compile-time-") as cache, tempfile.TemporaryDirectory() as out:
+        environment = {
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": cache,
+            "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+            "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+        }
+        result = Path(out) / "result.json"
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            kind,
+            name,
+            *map(str, arguments),
+            "--worker-out",
+            str(result),
+        ]
+        subprocess.run(command, check=True, env=environment, timeout=WORKER_TIMEOUT_S)
+        return json.loads(result.read_text())
+
+
+def measure_model(name: str) -> dict[str, Any]:
+    print(f"{name}: torch.compile", file=sys.stderr, flush=True)
+    baseline = _in_fresh_process("torch.compile", name)
+    recomputing = _in_fresh_process("torch.compile", name, PEER_PERCENT)
+    budget = _in_fresh_process("budget", name)["budget_bytes"]
+    print(f"{name}: planned at {budget / 2**20:.2f} MiB", file=sys.stderr, flush=True)
+    planned = _in_fresh_process("planned", name, budget)
+    return {
+        "budget_bytes": budget,
+        "torch_compile_s": baseline["compile_s"],
+        "torch_compile_budget_s": recomputing["compile_s"],
+        "planned_compile_s": planned["compile_s"],
+        "planning_s": planned["planning_s"],
+        "attempts": planned["attempts"],
+        "checkpointed_regions": planned["checkpointed_regions"],
+        "ratio": planned["compile_s"] / baseline["compile_s"],
+    }
+
+
+def markdown(results: dict[str, dict[str, Any]], context: dict[str, Any]) -> str:
+    load = context["machine"]["load_average_1_5_15_min"]
+    lines = [
+        f"# Compile time, planned vs torch.compile (cold caches; load average {load})",
+        "",
+        f"| model | torch.compile s | torch.compile at budget {PEER_PERCENT / 100:g} s | planned s "
+        "| of it planning s | compilations | planned / torch.compile | within 2x |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in results.items():
+        verdict = "yes" if row["ratio"] <= MAX_RATIO else "**no**"
+        lines.append(
+            f"| {name} | {row['torch_compile_s']:.1f} | {row['torch_compile_budget_s']:.1f} "
+            f"| {row['planned_compile_s']:.1f} "
+            f"| {row['planning_s']:.1f} | {row['attempts']} | {row['ratio']:.2f} | {verdict} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS)}")
+    parser.add_argument("--out", type=Path, default=RESULTS / "compile_time.json")
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    arguments = parser.parse_args(argv)
+    if arguments.worker:
+        kind, name, *rest = arguments.worker
+        arguments.worker_out.write_text(json.dumps(WORKERS[kind](name, *map(int, rest))))
+        return 0
+    names = arguments.models.split(",") if arguments.models else list(MODELS)
+    context = {
+        "machine": machine(),
+        "torch": torch.__version__,
+        "command": [Path(sys.executable).name, *sys.argv],
+    }
+    results = {name: measure_model(name) for name in names}
+    arguments.out.parent.mkdir(parents=True, exist_ok=True)
+    arguments.out.write_text(json.dumps({**context, "models": results}, indent=1) + "\n")
+    table = markdown(results, context)
+    arguments.out.with_suffix(".md").write_text(table)
+    sys.stdout.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -62,6 +62,13 @@ timed side by side keep their own compiled code without `torch._dynamo.reset()` 
 would throw away the variants compiled before). The C++ kernel cache of inductor is keyed by the
 kernel's source and stays on: a later run reuses compiled kernels and compiles faster.
 
+NOTE [log calls]: a log call inside a compiled forward splits the graph (dynamo cannot trace
+`logging`), and Hugging Face's GPT-2 logs a one-time warning when it computes its loss
+(`loss_type=None`). Every compiled variant is compiled with dynamo's `ignore_logger_methods` set to the
+logging methods, so that the step is one graph for the peers and for our plans alike (planning the
+compiled step needs one graph: NOTE [graph breaks] in planner/compiled.py); the warning then shows only
+from eager runs.
+
 Run from the repository root (two models at a time by default, `--jobs`; see `DEFAULT_JOBS`):
 
     .venv/bin/python bench/compare.py --quick      # 2 small models, 3 rounds, fractions 1.0 and 0.0
@@ -229,15 +236,21 @@ def build_example(name: str, device: str) -> ExampleCall:
 
 @contextlib.contextmanager
 def compiler_settings() -> Iterator[None]:
-    """NOTE [compile caches]."""
+    """NOTE [compile caches] and NOTE [log calls]."""
     torch._dynamo.reset()
     # one compile worker per torch thread: with --jobs, each model process has its share of the cores
     with (
         torch._inductor.config.patch(fx_graph_cache=False, compile_threads=torch.get_num_threads()),
         torch._functorch.config.patch(enable_autograd_cache=False),
-        torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
+        torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, ignore_logger_methods=log_methods()),
     ):
         yield
+
+
+def log_methods() -> set[Callable[..., Any]]:
+    """NOTE [log calls]: the `logging.Logger` methods dynamo skips instead of breaking the graph."""
+    names = ("debug", "info", "warning", "warning_once", "error")
+    return {method for name in names if (method := getattr(logging.Logger, name, None)) is not None}
 
 
 def budget_backend(fraction: float) -> Callable[..., Any]:

@@ -16,6 +16,13 @@ the eager step's in both directions. Here the planner plans the compiled step it
 3. One forward and backward on the example inputs compiles both graphs; the model's state is left as
    it was (gradients go to `torch.autograd.grad`, RNG state and buffers are restored).
 
+NOTE [graph breaks]: a model dynamo splits into several graphs whose backward is needed (data-dependent
+control flow, a log call in the forward) cannot be planned as one step: each graph would be planned
+alone under the whole budget. `optimize` refuses it (`UnsupportedModel`, with dynamo's reasons) once
+it sees a second such graph, and `plan_compiled_step` asks `torch._dynamo.explain` first. A log call is
+the common case; `torch._dynamo.config.ignore_logger_methods` makes dynamo skip it. Shapes are static
+(`dynamic=False`): a call with other shapes recompiles, and that graph is planned on its own.
+
 NOTE [partitioner hook]: torch 2.13 offers two hooks. `activation_memory_budget_solver` takes a
 `CustomKnapsackSolver`, but it only chooses which of the min-cut's *banned* nodes may be recomputed,
 at a budget given as a fraction, and the min-cut then decides the saved set: it cannot install a
@@ -323,11 +330,41 @@ def plan_compiled_step(
     trace the step, the partitioner plans it and stops the compile there. `plan.module` is None, and
     nothing is measured; the lowest and no-checkpointing peaks cost seconds, not a compile."""
     call, request = _prepare(model, inputs, kwargs, budget_bytes, optimizer, step, loss_fn, solver, device)
+    _refuse_graph_breaks(call)
     planning = CompiledPlanning(request, plan_only=True)
-    module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), fullgraph=True))
+    module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), dynamic=False))
     with torch._dynamo.config.patch(DYNAMO_LIMITS):
         _compile_step(module, call)
     return planning.plans[0]
+
+
+def _refuse_graph_breaks(call: _ExampleStep) -> None:
+    """`UnsupportedModel` naming the breaks where dynamo splits the model into several graphs (its
+    trace, without compiling: `torch._dynamo.explain`); planning stops at the first graph, so the
+    others would go unplanned."""
+    from planner.graph_build import preserved_state
+
+    with preserved_state(call.model):
+        explanation = torch._dynamo.explain(call.model)(*call.inputs, **call.kwargs)
+    trained = [graph for graph in explanation.graphs if _needs_backward(graph)]
+    if len(trained) > 1:
+        reasons = "; ".join(
+            sorted({str(reason.reason).splitlines()[0] for reason in explanation.break_reasons})
+        )
+        raise UnsupportedModel(
+            f"torch.compile splits the model's training step into {len(trained)} graphs ({reasons}); "
+            "planning the compiled step needs it in one graph: plan the eager model (compile=False) and "
+            "compile plan.module, or remove the breaks"
+        )
+
+
+def _needs_backward(graph: torch.fx.GraphModule) -> bool:
+    """Whether a graph dynamo captured takes a tensor that requires grad (AOT autograd then partitions
+    it; graphs that do not, such as mask preparation before a logging call, are compiled for inference)."""
+    return any(
+        node.op == "placeholder" and getattr(node.meta.get("example_value"), "requires_grad", False)
+        for node in graph.graph.nodes
+    )
 
 
 def _prepare(
@@ -392,13 +429,15 @@ class _ExampleStep:
 def _plan_and_compile(call: _ExampleStep, request: _Request) -> tuple[Plan, torch.nn.Module, float]:
     """Compile `call.model` with a planning partitioner; its plan, the compiled module, seconds planning."""
     planning = CompiledPlanning(request)
-    module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), fullgraph=True))
+    module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), dynamic=False))
     with torch._dynamo.config.patch(DYNAMO_LIMITS):
         _compile_step(module, call)
-    if len(planning.plans) != 1:
+    if len(planning.plans) != 1:  # NOTE [graph breaks]
         raise UnsupportedModel(
-            f"torch.compile partitioned {len(planning.plans)} graphs for one training step; planning the "
-            "compiled step needs exactly one (fullgraph); plan the eager model (compile=False) instead"
+            f"torch.compile split the training step into {len(planning.plans)} graphs (graph breaks: "
+            "data-dependent control flow or calls dynamo cannot trace; torch._dynamo.explain(model)(*inputs) "
+            "lists them); planning the compiled step needs the whole step in one graph: plan the eager model "
+            "(compile=False) and compile plan.module, or remove the breaks"
         )
     return planning.plans[0], module, planning.planning_s
 
@@ -451,11 +490,6 @@ def _compile_step(module: torch.nn.Module, call: _ExampleStep) -> None:
         cause = _planner_cause(error)
         if cause is not None:
             raise cause from None
-        if isinstance(error, torch._dynamo.exc.Unsupported):
-            raise UnsupportedModel(
-                f"torch.compile cannot capture the model in one graph ({str(error).splitlines()[0]}); "
-                "planning the compiled step needs one graph: plan the eager model (compile=False)"
-            ) from error
         raise
 
 

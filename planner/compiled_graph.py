@@ -148,6 +148,7 @@ class _Storages:
         self.op_types = op_types
         self.name_of_key: dict[int, str] = {}
         self.sizes: dict[str, int] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
         self.producer: dict[str, fx.Node] = {}
 
     def name(self, node: fx.Node) -> str | None:
@@ -159,6 +160,7 @@ class _Storages:
         if key not in self.name_of_key:
             self.name_of_key[key] = node.name
             self.sizes[node.name] = tensor.untyped_storage().nbytes()
+            self.dtypes[node.name] = tensor.dtype
             self.producer[node.name] = node
         return self.name_of_key[key]
 
@@ -363,6 +365,7 @@ def _layout_copies(joint: fx.GraphModule, forward: Sequence[fx.Node], storages: 
             if name is not None and name not in copies:
                 copies[name] = f"{name}.channels_last"
                 storages.sizes[copies[name]] = value.untyped_storage().nbytes()
+                storages.dtypes[copies[name]] = value.dtype
     return copies
 
 
@@ -706,13 +709,9 @@ def _backward_by_group(
 
 def _same_buffer(reader: _JointReader, first: str, second: str) -> bool:
     """Whether inductor may reuse storage `first` for `second` (NOTE [buffer reuse])."""
-    sizes, producer = reader.storages.sizes, reader.storages.producer
-    first_value, second_value = _tensor(producer[first]), _tensor(producer[second])
+    storages = reader.storages
     return (
-        first_value is not None
-        and second_value is not None
-        and sizes[first] == sizes[second]
-        and first_value.dtype == second_value.dtype
+        storages.sizes[first] == storages.sizes[second] and storages.dtypes[first] == storages.dtypes[second]
     )
 
 

@@ -90,6 +90,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import copy
+import functools
 import json
 import logging
 import math
@@ -248,7 +249,10 @@ def compiler_settings() -> Iterator[None]:
 
 
 def log_methods() -> set[Callable[..., Any]]:
-    """NOTE [log calls]: the `logging.Logger` methods dynamo skips instead of breaking the graph."""
+    """NOTE [log calls]: the `logging.Logger` methods dynamo skips instead of breaking the graph
+    (transformers adds `warning_once` to the class when it is imported)."""
+    with contextlib.suppress(ImportError):
+        import transformers  # noqa: F401
     names = ("debug", "info", "warning", "warning_once", "error")
     return {method for name in names if (method := getattr(logging.Logger, name, None)) is not None}
 
@@ -506,15 +510,15 @@ class CompiledPlans:
 
     def __init__(self, call: ExampleCall) -> None:
         self.call = call
-        self.reference = plan_compiled_step(
-            call.model, call.args, call.kwargs, budget_bytes=REFERENCE_BUDGET_BYTES, optimizer="adam",
-            step=TrainingStep(), loss_fn=default_loss, solver="dp", device=None,
-        )  # fmt: skip
         self.by_schedule: dict[Any, tuple[planner.Plan, Variant]] = {}
 
-    @property
-    def min_peak_bytes(self) -> int:
-        return self.reference.min_peak_bytes
+    @functools.cached_property
+    def reference(self) -> planner.Plan:
+        """The compiled step planned once without compiling (raises for a model it cannot plan)."""
+        return plan_compiled_step(
+            self.call.model, self.call.args, self.call.kwargs, budget_bytes=REFERENCE_BUDGET_BYTES,
+            optimizer="adam", step=TrainingStep(), loss_fn=default_loss, solver="dp", device=None,
+        )  # fmt: skip
 
     def planned(self, solver: str, budget_bytes: int) -> PlannedVariant:
         infeasible_min_peak_bytes = None

@@ -49,7 +49,7 @@ import inspect
 import logging
 import operator
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +66,15 @@ from planner.submodule_export import (
     quiet_export,
 )
 
-__all__ = ["Capture", "CapturePath", "GraphCall", "capture", "has_hooks", "hooked_submodules"]
+__all__ = [
+    "Capture",
+    "CapturePath",
+    "GraphCall",
+    "candidate_units",
+    "capture",
+    "has_hooks",
+    "hooked_submodules",
+]
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +163,16 @@ class Capture:
     call: GraphCall
     inputs: tuple[Any, ...] = ()
     """The example call as the graph takes it (`GraphCall.graph_inputs` of the example)."""
+    exported_modules: tuple[str, ...] = ()
+    """Containers FX could not trace that torch.export captured and the graph inlines."""
+
+    def label(self, split: Collection[str] = ()) -> str:
+        """`path`, saying which opaque modules (or modules kept whole for their hooks) a profile
+        split at their children's calls (NOTE [split calls] in simulate.py)."""
+        if not self.path.startswith(CapturePath.FX):
+            return self.path
+        opaque = [name for name in self.opaque_modules if name not in split]
+        return _fx_path(opaque, list(self.exported_modules), sorted(split))
 
 
 HOOK_DICTS = (
@@ -195,6 +213,39 @@ class _OpaqueTracer(fx.Tracer):
             or has_hooks(module)
             or (super().is_leaf_module(module, qualified_name) and not any(True for _ in module.children()))
         )
+
+
+DOMINANT_SHARE = 0.5
+"""A unit with more than this share of the parameters is split into its children."""
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(parameter.numel() for parameter in module.parameters())
+
+
+def candidate_units(model: nn.Module) -> list[str]:
+    """Qualified names of the submodules of `model` that a plan by submodules may checkpoint one by one:
+    its children, with containers (ModuleList/ModuleDict/Sequential) replaced by their children, and a
+    child holding most of the parameters replaced by its children too (a decoder by its blocks)."""
+    total = max(1, _parameter_count(model))
+    units = [name for name, _ in model.named_children()]
+    changed = True
+    while changed:
+        changed = False
+        expanded: list[str] = []
+        for name in units:
+            module = model.get_submodule(name)
+            children = [f"{name}.{child}" for child, _ in module.named_children()]
+            dominant = _parameter_count(module) > DOMINANT_SHARE * total
+            if children and (isinstance(module, CONTAINERS) or dominant):
+                expanded += children
+                changed = True
+            else:
+                expanded.append(name)
+        units = expanded
+    return units
+
 
 
 def _failing_module(model: torch.nn.Module, error: BaseException) -> str | None:
@@ -421,14 +472,18 @@ def _capture_fx(
             opaque_modules=tuple(still_opaque),
             call=call,
             inputs=inputs,
+            exported_modules=tuple(exported),
         )
 
 
-def _fx_path(opaque: list[str], exported: list[str]) -> str:
-    """`Capture.path` of an FX capture: which submodules stayed opaque, which torch.export captured."""
+def _fx_path(opaque: list[str], exported: list[str], split: list[str] | None = None) -> str:
+    """`Capture.path` of an FX capture: which submodules torch.export captured, which ones a profile
+    split at their children's calls, which stayed opaque."""
     notes = []
     if exported:
         notes.append(f"exported: {', '.join(exported)}")
+    if split:
+        notes.append(f"planned by children: {', '.join(split)}")
     if opaque:
         notes.append(f"opaque: {', '.join(opaque)}")
     return f"{CapturePath.FX} ({'; '.join(notes)})" if notes else CapturePath.FX

@@ -23,6 +23,7 @@ from typing import Any
 import networkx as nx
 
 __all__ = [
+    "GLUE_OP",
     "GRAPH_SCHEMA",
     "PLAN_SCHEMA",
     "ActivationGraph",
@@ -80,6 +81,17 @@ class Node:
     stateful: bool = False
     in_place: bool = False
     checkpointable: bool = True
+    part_of: str = ""
+    """The captured call this node is a part of, when that call runs as Python code the capture could
+    not follow (an opaque module, split at its children's calls while profiling): the call's own code
+    between child calls (op `GLUE_OP`) or one child call. Empty for every other node. A checkpointed
+    region holds all the parts of such a call or exactly one child call (NOTE [split calls] in
+    simulate.py)."""
+
+
+GLUE_OP = "glue"
+"""`Node.op` of a split call's own code between its children's calls (and of a module-level graph's
+root code between its units)."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +204,14 @@ class ActivationGraph:
     selective_op_overhead_ms: float = 0.0
     """Time a selective checkpoint policy adds per dispatched operator of a region that keeps nodes
     (forward and replay together; see selective_cost.py)."""
+    checkpoint_call_ms: float = 0.0
+    """Time one checkpointed region adds beyond replaying its forward, once per region:
+    `torch.utils.checkpoint`'s own work (RNG state saved and restored, the replay's set-up), forward and
+    backward together (see selective_cost.py). It is why ten small regions cost more than one region
+    of the same recompute."""
+    checkpoint_op_ms: float = 0.0
+    """Time a checkpointed region adds per operator of its nodes (`Node.operator_count`): checkpoint's
+    Python hooks on every tensor the region saves, in forward and backward."""
     step: TrainingStep = TrainingStep()
     """The training step the graph's accounting describes (see `for_training_step` in simulate.py)."""
 

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from planner.capture import Capture, capture
+from planner.capture import Capture, candidate_units, capture
 from planner.errors import GIB, UnsupportedModel
 from planner.graph_build import build_activation_graph
-from planner.ir import ActivationGraph, TrainingStep
+from planner.ir import GLUE_OP, ActivationGraph, TrainingStep
 from planner.measurement import MeasuredStep, OptimizerSpec, default_loss, measure_step, tensors_in
-from planner.module_level import profile_units, rewrite_units
+from planner.module_level import capture_model_call, rewrite_units
 from planner.plan import Plan
 from planner.profile import DeviceSpec
 from planner.rewrite import fully_sharded_modules, guard_gradients, rewrite
@@ -249,15 +249,24 @@ def _profile_units(
 ) -> ActivationGraph:
     """The module level of the capture chain (module_level.py), used for `reason`."""
     inputs = _example_call(example_inputs, example_kwargs)
-    profile = profile_units(
-        model, inputs, example_kwargs or {}, loss_fn=loss_fn or default_loss, optimizer=optimizer, step=step
+    captured = capture_model_call(model, inputs, example_kwargs or {})
+    graph = build_activation_graph(
+        captured, model, captured.inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer, step=step
     )
-    if not any(node.checkpointable for node in profile.graph.nodes):
+    units = [node for node in graph.nodes if node.part_of and node.op != GLUE_OP]
+    if not units:
+        raise UnsupportedModel(
+            f"{reason}; and at the module level the forward of {type(model).__name__} calls its submodules "
+            f"{candidate_units(model)[:6]} depending on the data (other calls or shapes on other inputs), so "
+            "checkpointing one would move bytes with the data"
+        )
+    if not any(node.checkpointable for node in units):
         raise UnsupportedModel(
             f"{reason}; and the module level found no submodule to checkpoint among "
-            f"{list(profile.units)[:6]} (one must be called once per step and carry no hooks)"
+            f"{[node.module_path for node in units][:6]} (one must be called once per step and carry no "
+            "hooks)"
         )
-    return profile.graph
+    return graph
 
 
 def _sharding(world_size: int, sharding: str) -> Sharding:

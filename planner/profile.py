@@ -42,6 +42,11 @@ class DeviceSpec:
     selective_op_overhead_ms: float = 0.025
     """Host time a selective checkpoint policy adds per operator (its Python callback in forward and
     replay), as measured on this project's CPU; `selective_cost.py` measures it when times are."""
+    checkpoint_call_ms: float = 0.1
+    """Host time one checkpoint call adds beyond its replay (RNG state, replay set-up), an estimate
+    near this project's CPU's; `selective_cost.py` measures it when times are measured."""
+    checkpoint_op_ms: float = 0.015
+    """Host time checkpoint's saved-tensor hooks add per operator of a checkpointed region (estimate)."""
 
 
 DEVICES: dict[str, DeviceSpec] = {

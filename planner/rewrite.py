@@ -42,7 +42,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from planner.capture import GraphCall
 from planner.errors import UnplannedStep, UnsupportedModel, format_bytes
-from planner.ir import ActivationGraph, Region, Schedule, TrainingStep
+from planner.ir import GLUE_OP, ActivationGraph, Region, Schedule, TrainingStep
 
 __all__ = [
     "CheckpointedRegion",
@@ -51,6 +51,7 @@ __all__ = [
     "guard_gradients",
     "planned_graph_of",
     "rewrite",
+    "with_checkpointed_units",
 ]
 
 SPLIT_ATTRIBUTE = "_planner_split"
@@ -305,9 +306,13 @@ def _split(graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Sched
     split = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph), type(graph_module).__name__)
     by_name = {node.name: node for node in split.graph.nodes}
     fused: list[tuple[Region, dict[fx.Node, int | None]]] = []
+    children = [region for region in schedule.checkpointed if _is_child_call(graph, region)]
     for region in schedule.checkpointed:
+        if region in children:
+            continue
         nodes = graph.nodes[region.start : region.stop]
-        partition: dict[fx.Node, int | None] = {by_name[n.name]: None for n in nodes if n.name in by_name}
+        names = dict.fromkeys(node.part_of or node.name for node in nodes)
+        partition: dict[fx.Node, int | None] = {by_name[name]: None for name in names if name in by_name}
         if partition:
             _localize_attributes(split.graph, partition)
             fused.append((region, partition))
@@ -318,8 +323,40 @@ def _split(graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Sched
         name = f"{REGION_PREFIX}{number}"
         keep_names = {graph.nodes[index].name for index in region.keep}
         setattr(split, name, CheckpointedRegion(getattr(split, name), keep_names))
+    # NOTE [split calls] in simulate.py: a child call runs under checkpoint inside a copy of its caller
+    with_checkpointed_units(split, [graph.nodes[r.start].module_path for r in children], copy_root=False)
     split.recompile()
     return split
+
+
+def _is_child_call(graph: ActivationGraph, region: Region) -> bool:
+    """Whether `region` is one child call of a split call (NOTE [split calls] in simulate.py)."""
+    node = graph.nodes[region.start]
+    return region.stop == region.start + 1 and bool(node.part_of) and node.op != GLUE_OP
+
+
+def with_checkpointed_units(
+    root: torch.nn.Module, paths: list[str], *, copy_root: bool = True
+) -> torch.nn.Module:
+    """`root` (or with `copy_root` a shallow copy of it) in which the submodules at `paths` run under
+    checkpoint (`CheckpointedUnit`). The modules on the way to them are shallow copies, so parameters,
+    buffers and every other submodule stay the model's own, and the model is not changed."""
+    planned = copy.copy(root) if copy_root else root
+    if copy_root:
+        planned._modules = dict(root._modules)
+    for path in paths:
+        parent = planned
+        parts = path.split(".")
+        for part in parts[:-1]:
+            child = copy.copy(parent._modules[part])
+            assert child is not None
+            child._modules = dict(child._modules)
+            parent._modules[part] = child
+            parent = child
+        unit = parent._modules[parts[-1]]
+        assert unit is not None
+        parent._modules[parts[-1]] = CheckpointedUnit.wrap(unit)
+    return planned
 
 
 FSDP_MODULE = "torch.distributed.fsdp"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
-from planner.simulate import simulate
+from planner.simulate import CheckpointRule, simulate
 
 __all__ = [
     "WhatIf",
@@ -39,9 +39,11 @@ __all__ = [
 ]
 
 
-def _region(graph: ActivationGraph, start: int, stop: int, *, checkpoint: bool) -> Region:
-    """A CHECKPOINT region when asked and allowed, else a STORE region."""
-    allowed = all(node.checkpointable for node in graph.nodes[start:stop])
+def _region(
+    graph: ActivationGraph, rule: CheckpointRule, start: int, stop: int, *, checkpoint: bool
+) -> Region:
+    """A CHECKPOINT region when asked and `rule` allows it, else a STORE region."""
+    allowed = rule.allows(graph, start, stop)
     return Region(start, stop, RegionPolicy.CHECKPOINT if checkpoint and allowed else RegionPolicy.STORE)
 
 
@@ -69,8 +71,9 @@ def equal_segments(graph: ActivationGraph, count: int) -> Schedule:
     end = _body_end(graph)
     count = min(count, max(end, 1))
     bounds = [round(index * end / count) for index in range(count + 1)]
+    rule = CheckpointRule.of(graph)
     regions = [
-        _region(graph, start, stop, checkpoint=number < count - 1)
+        _region(graph, rule, start, stop, checkpoint=number < count - 1)
         for number, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
         if stop > start
     ]
@@ -81,14 +84,15 @@ def equal_segments(graph: ActivationGraph, count: int) -> Schedule:
 
 def each_node(graph: ActivationGraph) -> Schedule:
     """Every checkpointable node in a checkpoint of its own."""
-    regions = [_region(graph, index, index + 1, checkpoint=True) for index in range(len(graph.nodes))]
+    rule = CheckpointRule.of(graph)
+    regions = [_region(graph, rule, index, index + 1, checkpoint=True) for index in range(len(graph.nodes))]
     return Schedule(regions=_merged(regions), solver="each op checkpointed")
 
 
 def whole_model(graph: ActivationGraph) -> Schedule:
     """One checkpoint around the model's whole forward; the loss after it is stored."""
     end = _body_end(graph)
-    regions = [_region(graph, 0, end, checkpoint=True)] if end else []
+    regions = [_region(graph, CheckpointRule.of(graph), 0, end, checkpoint=True)] if end else []
     if end < len(graph.nodes):
         regions.append(Region(end, len(graph.nodes), RegionPolicy.STORE))
     return Schedule(regions=_merged(regions), solver="whole model checkpointed")
@@ -143,10 +147,11 @@ def each_block(graph: ActivationGraph, container: str) -> Schedule:
         )
     regions: list[Region] = []
     position = 0
+    rule = CheckpointRule.of(graph)
     for start, stop in spans:
         if start > position:
             regions.append(Region(position, start, RegionPolicy.STORE))
-        regions.append(_region(graph, start, stop, checkpoint=True))
+        regions.append(_region(graph, rule, start, stop, checkpoint=True))
         position = stop
     if position < len(graph.nodes):
         regions.append(Region(position, len(graph.nodes), RegionPolicy.STORE))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from planner.errors import InfeasibleBudget
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule, SimulationResult
-from planner.simulate import simulate, store_everything
+from planner.simulate import CheckpointRule, simulate, store_everything
 from planner.solvers.chain import Chain, build_chain
 from planner.solvers.dp import CostTable, least_recompute, min_peak_schedule, region_costs, tabulate
 from planner.solvers.ilp import DETERMINISTIC_SECONDS, ilp_schedule
@@ -83,9 +83,10 @@ def chen_schedule(graph: ActivationGraph) -> Schedule:
     )
     bounds = [0, *chosen, total]
     regions = []
+    rule = CheckpointRule.of(graph)
     for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         last = stop == total
-        checkpointable = all(node.checkpointable for node in graph.nodes[start:stop])
+        checkpointable = rule.allows(graph, start, stop)
         policy = RegionPolicy.CHECKPOINT if (not last and checkpointable) else RegionPolicy.STORE
         regions.append(Region(start, stop, policy))
     return Schedule(regions=tuple(regions), solver="chen")

@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from planner.ir import Region, RegionPolicy, Schedule
+from planner.simulate import CheckpointRule
 from planner.solvers.chain import Chain, RegionSummary, State
 from planner.solvers.region_costs import RegionCosts
 
@@ -106,11 +107,11 @@ def region_costs(chain: Chain) -> RegionCosts:
     return RegionCosts(chain, max_region_nodes=longest)
 
 
-def _policies(chain: Chain, start: int, stop: int, blocked_before: list[int]) -> list[RegionPolicy]:
+def _policies(chain: Chain, start: int, stop: int, rule: CheckpointRule) -> list[RegionPolicy]:
     """Stored regions span one step between boundaries (a stored run costs what its steps cost one by
-    one); checkpointed ones any ladder reach over checkpointable nodes."""
+    one); checkpointed ones any ladder reach that the checkpoint rule allows."""
     policies = [RegionPolicy.STORE] if chain.next_boundary[start] == stop else []
-    if blocked_before[stop] == blocked_before[start]:
+    if rule.allows(chain.graph, start, stop):
         policies.append(RegionPolicy.CHECKPOINT)
     return policies
 
@@ -133,9 +134,7 @@ def tabulate(costs: RegionCosts) -> CostTable:
     boundary never drops them.
     """
     chain = costs.chain
-    blocked_before = [0]
-    for node in chain.graph.nodes:
-        blocked_before.append(blocked_before[-1] + (not node.checkpointable))
+    rule = CheckpointRule.of(chain.graph)
     states_at: dict[int, dict[frozenset[str], None]] = {position: {} for position in chain.boundaries}
     for position, held in _stored_path(costs):
         states_at[position][held] = None
@@ -145,7 +144,7 @@ def tabulate(costs: RegionCosts) -> CostTable:
         for held_in in list(states_at[start]):
             found = []
             for stop in chain.checkpoint_stops[start]:
-                for policy in _policies(chain, start, stop, blocked_before):
+                for policy in _policies(chain, start, stop, rule):
                     region = Region(start, stop, policy)
                     held_out = costs.held_out(region, held_in)
                     if held_out not in states_at[stop]:

@@ -87,6 +87,7 @@ def keepable(chain: Chain) -> list[int]:
         index
         for index, node in enumerate(chain.graph.nodes)
         if node.checkpointable
+        and not node.part_of  # a split call's parts run as Python code: nothing to mark (NOTE [split calls])
         and node.allocated_bytes > 0
         and node.forward_ms > 0
         and not (node.random or node.stateful or node.in_place)

@@ -11,7 +11,13 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from planner.ir import Region, RegionPolicy
-from planner.simulate import held_storages, recompute_trigger, region_inputs, replay_stop
+from planner.simulate import (
+    checkpoint_overhead_ms,
+    held_storages,
+    recompute_trigger,
+    region_inputs,
+    replay_stop,
+)
 from planner.solvers.chain import Chain, RegionCost, RegionSummary, local_cost, storage_bytes
 
 __all__ = ["RegionCosts"]
@@ -58,8 +64,10 @@ class RegionCosts:
         interned: dict[Hashable, int] = {}
         self.node_keys = [interned.setdefault(self._node_key(i), len(interned)) for i in range(len(nodes))]
         self.forward_ms_before = [0.0]
+        self.operators_before = [0]
         for node in nodes:
             self.forward_ms_before.append(self.forward_ms_before[-1] + node.forward_ms)
+            self.operators_before.append(self.operators_before[-1] + node.operator_count)
         self._shapes: dict[Hashable, _Shape] = {}
         self._inputs: dict[tuple[int, int], frozenset[str]] = {}
         self._held: dict[tuple[int, int, RegionPolicy], frozenset[str]] = {}
@@ -140,11 +148,16 @@ class RegionCosts:
         passing = self.chain.crossing[region.start] - self.inputs(region.start, region.stop) - held_in
         return shape, storage_bytes(self.chain, passing)
 
+    def _overhead_ms(self, region: Region) -> float:
+        operators = self.operators_before[region.stop] - self.operators_before[region.start]
+        return checkpoint_overhead_ms(self.chain.graph, region, operators)
+
     def _recompute_ms(self, region: Region, shape: _Shape) -> float:
+        call_ms = self._overhead_ms(region)
         if shape.trigger_offset is None:
-            return 0.0
+            return call_ms
         replayed_to = replay_stop(self.chain.graph, region.start + shape.trigger_offset)
-        return self.forward_ms_before[replayed_to] - self.forward_ms_before[region.start]
+        return call_ms + self.forward_ms_before[replayed_to] - self.forward_ms_before[region.start]
 
     def cost(self, region: Region, *, held_in: frozenset[str]) -> RegionCost:
         """`region_cost(chain, region, held_in=...)`, from its shape when one was costed: the backward
@@ -155,7 +168,7 @@ class RegionCosts:
         points = tuple(point + passing for point in shape.cost.points_bytes[:forward_count]) + tuple(
             point + shift for point in shape.cost.points_bytes[forward_count:]
         )
-        recompute_ms = 0.0
+        recompute_ms = self._overhead_ms(region)
         if shape.trigger_offset is not None:
             replayed_to = replay_stop(self.chain.graph, region.start + shape.trigger_offset)
             for node in self.chain.graph.nodes[region.start : replayed_to]:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import planner
-from planner.graph_build import _moved_bytes
 from planner.profile import DEVICES, DeviceSpec, analytic_forward_ms, device_spec
+from planner.profiling_records import moved_bytes
 from planner.zoo import build_model
 
 
@@ -100,10 +100,10 @@ def test_pareto_frontier_from_one_profile_falls_and_plots(tmp_path) -> None:  # 
 
 def test_a_view_moves_no_bytes_and_a_copy_moves_what_it_reads_and_writes() -> None:
     x = torch.zeros(4, 8, device="meta")
-    assert _moved_bytes((x,), x.transpose(0, 1)) == 0
-    assert _moved_bytes((x,), (x.unflatten(1, (2, 4)), x[0])) == 0
-    assert _moved_bytes((x,), x.transpose(0, 1).contiguous()) == 2 * x.numel() * x.element_size()
-    assert _moved_bytes((x,), (x.view(32), x + 1)) == x.numel() * x.element_size() * 3
+    assert moved_bytes((x,), x.transpose(0, 1)) == 0
+    assert moved_bytes((x,), (x.unflatten(1, (2, 4)), x[0])) == 0
+    assert moved_bytes((x,), x.transpose(0, 1).contiguous()) == 2 * x.numel() * x.element_size()
+    assert moved_bytes((x,), (x.view(32), x + 1)) == x.numel() * x.element_size() * 3
 
 
 def test_random_operators_write_at_the_random_number_rate() -> None:

@@ -183,7 +183,7 @@ def replan(
     """`plan.replan`: solve `plan.graph` again and rewrite the same model with the new schedule."""
     if plan.rewriter is None:
         raise ValueError(
-            "this plan has no model to rewrite (it was loaded from JSON or planned by submodules); "
+            "this plan has no model to rewrite (it was loaded from JSON); "
             "call planner.optimize(model, ...) with the new budget or solver instead"
         )
     replanned = plan_graph(plan.graph, budget_bytes=_budget_bytes(budget_gb, budget_bytes), solver=solver)
@@ -221,7 +221,8 @@ def _plan_by_units(
     )
     graph = for_training_step(graph, step)
     plan = plan_graph(graph, budget_bytes=budget_bytes, solver=solver)
-    plan.module = guard_gradients(rewrite_units(model, graph, plan.schedule), step)
+    plan.rewriter = functools.partial(rewrite_units, model, graph)
+    plan.module = guard_gradients(plan.rewriter(plan.schedule), step)
     return plan
 
 

@@ -101,21 +101,22 @@ def _cuda_attention(call: dict[str, Any]) -> torch.Tensor | None:
     )[0]
 
 
+def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """An uninitialised CPU tensor like `tensor`, with one batch row where it has four dimensions."""
+    shape = (1, *tensor.shape[1:]) if tensor.dim() == 4 else tuple(tensor.shape)
+    return torch.empty(shape, dtype=tensor.dtype, device="cpu")
+
+
 def _cpu_picks_flash(call: dict[str, Any]) -> bool:
     """Whether the CPU's dispatcher runs its flash kernel for this call (asked on one-row stand-ins)."""
     from torch.nn.attention import SDPBackend
 
-    def stand_in(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        if tensor is None:
-            return None
-        shape = (1, *tensor.shape[1:]) if tensor.dim() == 4 else tuple(tensor.shape)
-        return torch.empty(shape, dtype=tensor.dtype, device="cpu")
-
+    mask = call["attn_mask"]
     choice = torch._fused_sdp_choice(
-        stand_in(call["query"]),
-        stand_in(call["key"]),
-        stand_in(call["value"]),
-        stand_in(call["attn_mask"]),
+        _stand_in(call["query"]),
+        _stand_in(call["key"]),
+        _stand_in(call["value"]),
+        None if mask is None else _stand_in(mask),
         call["dropout_p"],
         call["is_causal"],
         scale=call["scale"],

@@ -29,6 +29,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from planner.ir import ActivationGraph, Node, StaticBytes
 from planner.profile import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
@@ -85,18 +86,18 @@ def _numbers(graph: ActivationGraph) -> _Numbers:
     return _Numbers(tuple(values), tuple(labels))
 
 
+def _zeroed(node: Node) -> dict[str, Any]:
+    """Replacements that zero a node's numbers and times (None stays None)."""
+    zeros: dict[str, Any] = {"forward_ms": 0.0, "backward_ms": 0.0}
+    zeros.update({field: None if getattr(node, field) is None else 0 for field in NODE_NUMBERS})
+    return zeros
+
+
 def _skeleton(graph: ActivationGraph) -> ActivationGraph:
     """`graph` with every number zeroed (None stays None): what must not change with the size."""
-    nodes = tuple(
-        dataclasses.replace(
-            node,
-            forward_ms=0.0,
-            backward_ms=0.0,
-            **{field: None if getattr(node, field) is None else 0 for field in NODE_NUMBERS},
-        )
-        for node in graph.nodes
-    )
-    static = dataclasses.replace(graph.static, **dict.fromkeys(STATIC_NUMBERS, 0))
+    nodes = tuple(dataclasses.replace(node, **_zeroed(node)) for node in graph.nodes)
+    static_zeros: dict[str, Any] = dict.fromkeys(STATIC_NUMBERS, 0)
+    static = dataclasses.replace(graph.static, **static_zeros)
     return dataclasses.replace(
         graph, nodes=nodes, static=static, storage_bytes=dict.fromkeys(graph.storage_bytes, 0)
     )
@@ -143,13 +144,14 @@ def _with_times(graph: ActivationGraph, spec: DeviceSpec) -> ActivationGraph:
 def _rebuild(skeleton: ActivationGraph, values: Sequence[int | None], spec: DeviceSpec) -> ActivationGraph:
     """The skeleton filled with `values` in `_numbers` order, with analytic times."""
     numbers = iter(values)
-    storage_bytes = {name: next(numbers) for name in skeleton.storage_bytes}
-    nodes = tuple(
-        dataclasses.replace(node, **{field: next(numbers) for field in NODE_NUMBERS})
-        for node in skeleton.nodes
-    )
-    static = dataclasses.replace(skeleton.static, **{field: next(numbers) for field in STATIC_NUMBERS})
-    graph = dataclasses.replace(skeleton, nodes=nodes, static=static, storage_bytes=storage_bytes)
+    storage_bytes: dict[str, Any] = {name: next(numbers) for name in skeleton.storage_bytes}
+    nodes = []
+    for node in skeleton.nodes:
+        node_numbers: dict[str, Any] = {field: next(numbers) for field in NODE_NUMBERS}
+        nodes.append(dataclasses.replace(node, **node_numbers))
+    static_numbers: dict[str, Any] = {field: next(numbers) for field in STATIC_NUMBERS}
+    static = dataclasses.replace(skeleton.static, **static_numbers)
+    graph = dataclasses.replace(skeleton, nodes=tuple(nodes), static=static, storage_bytes=storage_bytes)
     return _with_times(graph, spec)
 
 

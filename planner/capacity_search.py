@@ -116,8 +116,9 @@ def _split_inputs(made: Any, sizes: Mapping[str, int]) -> tuple[tuple[Any, ...],
 class _Target:
     """The model and its example inputs at each size (built once per size)."""
 
-    model: torch.nn.Module | Callable[..., torch.nn.Module]
-    make_inputs: Callable[..., Any]
+    model: torch.nn.Module | Callable[..., Any]
+    make_inputs: Callable[..., Any] | None
+    """None: `model` is a factory of (model, example_inputs)."""
     dimension: str
     fixed: dict[str, int]
     calls: dict[int, _Call] = field(default_factory=dict)
@@ -125,17 +126,37 @@ class _Target:
     def call(self, size: int) -> _Call:
         if size not in self.calls:
             sizes = {**self.fixed, self.dimension: size}
-            model = self.model if isinstance(self.model, torch.nn.Module) else self.model(**sizes)
+            if isinstance(self.model, torch.nn.Module):
+                model, made = self.model, self._inputs(sizes)
+            elif self.make_inputs is None:
+                model, made = _model_and_inputs(self.model(**sizes), sizes)
+            else:
+                model, made = self.model(**sizes), self._inputs(sizes)
             if not isinstance(model, torch.nn.Module):
                 raise TypeError(
                     f"the model factory returned {type(model).__name__} for {sizes}, not a Module"
                 )
-            self.calls[size] = _Call(model, *_split_inputs(self.make_inputs(**sizes), sizes))
+            self.calls[size] = _Call(model, *_split_inputs(made, sizes))
         return self.calls[size]
+
+    def _inputs(self, sizes: dict[str, int]) -> Any:
+        if self.make_inputs is None:
+            raise TypeError("give make_inputs(**sizes) with a model, or a factory of (model, example_inputs)")
+        return self.make_inputs(**sizes)
 
     def on_meta(self, size: int) -> bool:
         call = self.call(size)
         return any(t.is_meta for t in [*call.model.parameters(), *tensors_in((call.args, call.kwargs))])
+
+
+def _model_and_inputs(made: Any, sizes: Mapping[str, int]) -> tuple[Any, Any]:
+    """A factory's (model, example_inputs), checked."""
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise TypeError(
+            f"the factory returned {type(made).__name__} for {dict(sizes)}; without make_inputs it must "
+            "return (model, example_inputs)"
+        )
+    return made
 
 
 def _autocast(call: _Call, dtype: torch.dtype | None) -> AbstractContextManager[Any]:
@@ -474,9 +495,10 @@ class Capacity:
         """ "on a100-40gb" or "within 40.00 GiB", for sentences."""
         return f"on {self.card}" if self.card else f"within {format_bytes(self.budget_bytes)}"
 
-    def row(self, size: int) -> SizeRow:
-        """The predicted peaks at any candidate size (probing it if the search did not)."""
-        return self._search.row(size, autocast=self._search.settings.autocast)
+    def row(self, size: int, *, accumulation_steps: int | None = None) -> SizeRow:
+        """The predicted peaks at any size (probing it if the search did not), for the training step
+        as given or with `accumulation_steps` micro-batches of that size."""
+        return self._search.row(size, steps=accumulation_steps, autocast=self._search.settings.autocast)
 
     def plan(self) -> Plan:
         """The plan at the largest size that fits with checkpointing, made by `planner.optimize` on a
@@ -720,8 +742,8 @@ def _table(
 
 
 def capacity(
-    model: torch.nn.Module | Callable[..., torch.nn.Module],
-    make_inputs: Callable[..., Any],
+    model: torch.nn.Module | Callable[..., Any],
+    make_inputs: Callable[..., Any] | None = None,
     *,
     batch: SizeSpec = None,
     sequence: SizeSpec = None,
@@ -745,8 +767,10 @@ def capacity(
     of positional inputs or a dict of keyword inputs), called with the dimensions given here: search
     one (`batch=range(1, 513)` or a list of sizes) and fix the other with an int if it takes it.
     `model` is a module, or a factory called with the same keywords (for a model whose buffers follow
-    the sequence length). The budget is `budget_gb`/`budget_bytes`, else the memory of the named card
-    (`device="a100-40gb"`, `"h100-80gb"`, `"rtx4090"`, or a `DeviceSpec` with `memory_bytes`).
+    the sequence length); without `make_inputs`, a factory returning `(model, example_inputs)`, as
+    `planner plan`'s MODULE:FACTORY does (`planner.zoo.build_model` with `batch=`/`sequence=`).
+    The budget is `budget_gb`/`budget_bytes`, else the memory of the named card (`device="a100-40gb"`,
+    `"h100-80gb"`, `"rtx4090"`, or a `DeviceSpec` with `memory_bytes`).
 
     Costs are analytic on `device` when one is named (the only choice for a model on the meta
     device), else measured on this machine (`cost_model` overrides). `autocast=torch.bfloat16` plans
@@ -770,8 +794,10 @@ def capacity(
             "an optimizer instance belongs to one model's parameters; with a model factory pass the "
             "optimizer's name (e.g. optimizer='adamw')"
         )
-    if not callable(make_inputs):
+    if make_inputs is not None and not callable(make_inputs):
         raise TypeError(f"make_inputs must be a function of the sizes, got {type(make_inputs).__name__}")
+    if make_inputs is None and isinstance(model, torch.nn.Module):
+        raise TypeError("give make_inputs(**sizes) -> example inputs with a model (or pass a factory)")
     chosen_cost_model = cost_model or ("analytic" if device is not None else "measured")
     reuse = chosen_cost_model == "analytic" if reuse_captures is None else reuse_captures
     settings = _Settings(

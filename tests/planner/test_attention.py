@@ -36,7 +36,9 @@ class Attention(nn.Module):
 
 
 def _graph(model: nn.Module, x: torch.Tensor, device: str) -> planner.Plan:
-    return planner.optimize(model, (x,), budget_bytes=2**40, cost_model="analytic", device=device, solver="none")
+    return planner.optimize(
+        model, (x,), budget_bytes=2**40, cost_model="analytic", device=device, solver="none"
+    )
 
 
 def _build(meta: bool, **options: object) -> tuple[nn.Module, torch.Tensor]:

@@ -527,13 +527,15 @@ class Capacity:
         budget, card = _resolve_budget(device, budget_gb, budget_bytes)
         return _table(self._search, budget, card, global_batch=global_batch, fixed=self.fixed)
 
-    def plot(self, path: str | Path, *, memories_gib: Sequence[float] = CARD_MEMORIES_GIB) -> Path:
+    def plot(
+        self, path: str | Path, *, memories_gib: Sequence[float] = CARD_MEMORIES_GIB, title: str | None = None
+    ) -> Path:
         """Save the largest size against card memory, with and without checkpointing (needs matplotlib)."""
         from planner.plots import plot_capacity
 
         points = [(int(gib * 2**30), *self.largest_for(int(gib * 2**30))) for gib in memories_gib]
         return plot_capacity(
-            points, path, dimension=self.dimension, top=self.candidates[-1], title=self._title()
+            points, path, dimension=self.dimension, top=self.candidates[-1], title=title or self._title()
         )
 
     def _title(self) -> str:
@@ -642,13 +644,15 @@ def _resolve_budget(
     if device is None:
         raise ValueError(
             "give a card with its memory (device='a100-40gb', 'h100-80gb', 'rtx4090', or a "
-            "DeviceSpec with memory_bytes) or a budget (budget_gb=... or budget_bytes=...)"
+            "DeviceSpec with memory_bytes) or a budget (budget_gb=... or budget_bytes=...; --budget on the "
+            "command line)"
         )
     spec = device_spec(device)
     if spec.memory_bytes is None:
         raise ValueError(
             f"device {spec.name!r} does not say how much memory it has; name a card with its memory "
-            "('a100-40gb', 'a100-80gb', 'h100-80gb', 'l40s', 'rtx4090') or pass budget_gb=..."
+            "('a100-40gb', 'a100-80gb', 'h100-80gb', 'l40s', 'rtx4090') or give a budget (budget_gb=...; "
+            "--budget on the command line)"
         )
     return spec.memory_bytes, spec.name
 
@@ -707,7 +711,7 @@ def _table(
     prober = search.prober(autocast)
     if prober.reuse_note:
         notes.append(prober.reuse_note)
-    elif prober.family is not None:
+    elif prober.family is not None and any(row.source == RESCALED for row in rows):
         sizes = ", ".join(str(size) for size in prober.family.sizes)
         notes.append(
             f"graphs marked rescaled come from captures at {search.target.dimension} {sizes} (rescale.py)"

@@ -351,7 +351,7 @@ def plot_pareto(
 def _bar_label(value: int | None, top: int) -> str:
     if value is None:
         return "none"
-    return f">={value}" if value >= top else str(value)
+    return f"≥{value}" if value >= top else str(value)
 
 
 def capacity_figure(

@@ -518,14 +518,19 @@ class Capacity:
     def at_budget(
         self,
         *,
-        device: str | DeviceSpec | None = None,
         budget_gb: float | None = None,
         budget_bytes: int | None = None,
         global_batch: int | None = None,
     ) -> Capacity:
-        """The table for another card or budget, from the same graphs (captures only where needed)."""
-        budget, card = _resolve_budget(device, budget_gb, budget_bytes)
-        return _table(self._search, budget, card, global_batch=global_batch, fixed=self.fixed)
+        """The table for another budget, from the same graphs (captures only where needed). Times stay
+        those of this table's device."""
+        return _table(
+            self._search,
+            _budget_bytes(budget_gb, budget_bytes),
+            None,
+            global_batch=global_batch,
+            fixed=self.fixed,
+        )
 
     def plot(
         self, path: str | Path, *, memories_gib: Sequence[float] = CARD_MEMORIES_GIB, title: str | None = None

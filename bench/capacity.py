@@ -29,6 +29,7 @@ from plan_llama7b import LlamaConfig, LlamaStyle
 
 import planner
 from planner.errors import format_bytes
+from planner.sizing import render_weighing
 
 log = logging.getLogger("bench.capacity")
 
@@ -149,9 +150,8 @@ def main() -> int:
     Path(f"{arguments.out}.json").write_text(json.dumps({**header, "cards": rows}, indent=1))
     markdown = _markdown(rows, header)
     if largest.weighing is not None:
-        markdown += (
-            f"\nGlobal batch {arguments.global_batch} on {cards[-1]} GiB: {largest.weighing.recommendation}\n"
-        )
+        options = "\n".join(render_weighing(largest.weighing))
+        markdown += f"\nGlobal batch {arguments.global_batch} on {cards[-1]} GiB:\n\n```\n{options}\n```\n"
     Path(f"{arguments.out}.md").write_text(markdown)
     sys.stdout.write(str(largest) + "\n\n" + markdown)
     sys.stdout.write(f"wall time {wall_s:.1f} s, load average before {header['load_before']}\n")

@@ -456,7 +456,13 @@ class _Search:
             else:
                 prices[BF16] = self.price(torch.bfloat16, budget_bytes)
         timing = self.prober(self.settings.autocast).graph(self.candidates[0])[0].timing
-        notes.append(f"times: {timing}; the analytic model prices every matmul at the device's one peak rate")
+        if timing.startswith("analytic"):
+            notes.append(
+                f"times: {timing}, which prices every matmul at the device's one peak rate whatever its "
+                "dtype, so bf16's gain is only in the bytes it moves"
+            )
+        else:
+            notes.append(f"times: {timing} on this machine, per node, fastest of the profiling runs")
         return weigh(global_batch, prices, budget_bytes=budget_bytes, where=where, notes=notes)
 
 
@@ -465,8 +471,8 @@ class Capacity:
     """How far the training step goes on one budget: the probed sizes and the largest that fit.
 
     Every figure is predicted. `plan()` gives the plan at the largest size that fits with checkpointing
-    (to measure it, or to train with it); `at_budget` and `largest_for` answer for another card from the
-    same captures; `plot` draws the largest size against card memory.
+    (to measure it, or to train with it); `at_budget` and `largest_for` answer for another budget from
+    the same graphs; `plot` draws the largest size against card memory.
     """
 
     dimension: str
@@ -492,7 +498,7 @@ class Capacity:
 
     @property
     def where(self) -> str:
-        """ "on a100-40gb" or "within 40.00 GiB", for sentences."""
+        """Where the table holds, for sentences: 'on a100-40gb' or 'within 40.00 GiB'."""
         return f"on {self.card}" if self.card else f"within {format_bytes(self.budget_bytes)}"
 
     def row(self, size: int, *, accumulation_steps: int | None = None) -> SizeRow:
@@ -557,7 +563,12 @@ class Capacity:
         document: dict[str, Any] = {
             "dimension": self.dimension,
             "fixed": dict(self.fixed),
-            "candidates": [self.candidates[0], self.candidates[-1], len(self.candidates)],
+            "searched": {
+                "first": self.candidates[0],
+                "last": self.candidates[-1],
+                "count": len(self.candidates),
+                "search": "scan" if self._search.scan else "bisect",
+            },
             "budget_bytes": self.budget_bytes,
             "card": self.card,
             "timing": self.timing,

@@ -314,6 +314,18 @@ def _recommend(fitting: list[Option], options: list[Option], *, global_batch: in
         f"{best.describe()} is predicted {faster * 100:.0f} % faster than {rival.describe()} {where} "
         f"({best.samples_per_s:.4g} against {rival.samples_per_s:.4g} samples/s)"
     )
+    checkpointed = [
+        option
+        for option in fitting
+        if option.checkpointing and option.accumulation_steps == 1 and option not in (best, rival)
+    ]
+    if checkpointed:
+        whole = checkpointed[0]
+        sentence += (
+            f", and {(best.samples_per_s / whole.samples_per_s - 1) * 100:.0f} % faster than "
+            f"{whole.describe()} ({whole.samples_per_s:.4g})"
+        )
+        reasons += _reasons(whole, options, global_batch)
     return sentence + (f"; {'; '.join(reasons)}" if reasons else "")
 
 

@@ -113,3 +113,29 @@ def test_the_batch_as_it_is_needs_nothing_else_and_nothing_fitting_is_said() -> 
 def test_divisors() -> None:
     assert divisors(12) == [1, 2, 3, 4, 6, 12]
     assert divisors(1) == [1]
+
+
+def test_the_recommendation_also_names_checkpointing_the_whole_batch() -> None:
+    budget = 40 * MIB
+
+    def price(micro_batch: int, steps: int, checkpointing: bool) -> Priced:
+        """Recompute grows with how far the micro-batch is over the budget (at most 30 %)."""
+        baseline = 6 * MIB + (6 * MIB if steps > 1 else 0) + MIB * micro_batch
+        compute_ms = 1.0 + micro_batch
+        if not checkpointing:
+            return Priced(baseline, baseline <= budget, compute_ms, 0.0)
+        share = min(0.3, (baseline - budget) / baseline)
+        return Priced(budget, True, compute_ms, share * compute_ms)
+
+    weighing = weigh(64, {"": price}, budget_bytes=budget, where="on a test card")
+    assert weighing.best is not None and weighing.best.describe() == "accumulating 4 micro-batches of 16"
+    whole = (64 / (65 * 1.3)) * 1e3
+    best = 64 / (4 * 17) * 1e3
+    assert (
+        "faster than accumulating 2 micro-batches of 32 with checkpointing on a test card"
+        in weighing.recommendation
+    )
+    assert (
+        f", and {(best / whole - 1) * 100:.0f} % faster than checkpointing a batch of 64 ({whole:.4g})"
+        in weighing.recommendation
+    )

@@ -435,6 +435,18 @@ def _search_progress(quiet: bool) -> Any:
     return bar()
 
 
+def _on_meta(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """`factory` run under `torch.device("meta")`: its tensors have shapes and no storage."""
+    import torch
+
+    @functools.wraps(factory)
+    def build(**sizes: int) -> Any:
+        with torch.device("meta"):
+            return factory(**sizes)
+
+    return build
+
+
 @app.command()
 def capacity(
     target: TargetArgument,
@@ -462,6 +474,10 @@ def capacity(
     ] = None,
     solver: SolverOption = "auto",
     scan: Annotated[bool, typer.Option("--scan", help="Probe every size instead of bisecting.")] = False,
+    meta: Annotated[
+        bool,
+        typer.Option("--meta", help="Build the model and inputs on the meta device: nothing is allocated."),
+    ] = False,
     plot: Annotated[
         Path | None, typer.Option(help="Draw the largest size against 16/24/40/48/80 GiB cards (.png/.svg).")
     ] = None,
@@ -473,12 +489,15 @@ def capacity(
 
     import planner
 
+    factory = load_factory(target)
+    if meta:
+        factory = _on_meta(factory)
     batch_sizes = parse_sizes(batch) if batch else None
     sequence_sizes = parse_sizes(sequence) if sequence else None
     try:
         with _search_progress(quiet) as progress:
             table = planner.capacity(
-                load_factory(target),
+                factory,
                 device=device,
                 budget_bytes=budget,
                 optimizer=optimizer,

@@ -216,3 +216,14 @@ def test_capacity_exits_3_when_nothing_fits_and_2_on_bad_sizes(runner: CliRunner
     assert result.exit_code == EXIT_BAD_INPUT and "does not say how much memory it has" in result.output
     result = runner.invoke(app, [*arguments, "--budget", "1GiB", "--batch", "64..128", "--sequence", "64"])
     assert result.exit_code == EXIT_BAD_INPUT and "does not take sequence" in result.output
+
+
+def test_capacity_on_the_meta_device_plans_for_a_named_card(runner: CliRunner, tmp_path: Path) -> None:
+    json_path = tmp_path / "capacity.json"
+    arguments = ["capacity", "zoo:seed000_mlp", "--meta", "--device", "h100-80gb", "--batch", "256,1024"]
+    result = runner.invoke(app, [*arguments, "--quiet", "--json", str(json_path)])
+    assert result.exit_code == 0, result.output
+    table = json.loads(json_path.read_text())
+    assert table["card"] == "h100-80gb" and table["budget_bytes"] == 80 * 2**30
+    assert table["timing"] == "analytic (h100-80gb)" and table["largest_without"] == 1024
+    assert "the largest batch searched fits: search higher to find the limit" in table["notes"]

@@ -90,6 +90,16 @@ class _Settings:
     autocast: torch.dtype | None
     solver: str
 
+    def step_options(self) -> dict[str, Any]:
+        """The keywords that describe the step to `optimize` and to profiling alike."""
+        return {
+            "optimizer": self.optimizer,
+            "step": self.step,
+            "loss_fn": self.loss_fn,
+            "cost_model": self.cost_model,
+            "device": self.device,
+        }
+
 
 @dataclass(frozen=True)
 class _Call:
@@ -179,16 +189,7 @@ def _profile_size(call: _Call, settings: _Settings) -> ActivationGraph:
     accumulation is applied). The one call into the profiling pipeline: when `planner.profile` lands
     (issue 13) this becomes `planner.profile(call.model, call.args, ...).graph`."""
     with _autocast(call, settings.autocast):
-        _, graph = _capture_and_profile(
-            call.model,
-            call.args,
-            call.kwargs,
-            optimizer=settings.optimizer,
-            step=settings.step,
-            loss_fn=settings.loss_fn,
-            cost_model=settings.cost_model,
-            device=settings.device,
-        )
+        _, graph = _capture_and_profile(call.model, call.args, call.kwargs, **settings.step_options())
     return graph
 
 
@@ -414,19 +415,14 @@ class _Search:
     def plan(self, size: int, budget_bytes: int) -> Plan:
         """`planner.optimize` at `size`: a fresh capture and the plan with its module."""
         call = self.target.call(size)
-        settings = self.settings
-        with _autocast(call, settings.autocast):
+        with _autocast(call, self.settings.autocast):
             return optimize(
                 call.model,
                 call.args,
                 example_kwargs=call.kwargs,
                 budget_bytes=budget_bytes,
-                optimizer=settings.optimizer,
-                step=settings.step,
-                loss_fn=settings.loss_fn,
-                solver=settings.solver,
-                cost_model=settings.cost_model,
-                device=settings.device,
+                solver=self.settings.solver,
+                **self.settings.step_options(),
             )
 
     def price(self, autocast: torch.dtype | None, budget_bytes: int) -> Price:

@@ -38,6 +38,7 @@ from planner.errors import format_bytes
 
 __all__ = [
     "Option",
+    "Price",
     "Priced",
     "SizeRow",
     "Weighing",

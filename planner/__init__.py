@@ -4,12 +4,13 @@
     plan = planner.optimize(model, example_inputs, budget_gb=8)
     print(plan.summary())
     model = plan.module
+    print(planner.capacity(model, make_inputs, batch=range(1, 513), device="a100-40gb"))
 
 The flow is capture (capture.py) -> activation graph (graph_build.py) -> solve (solvers/) ->
 rewrite (rewrite.py); `measure` reports what a real training step used. The solvers, the simulator
 and `Plan` work on plain data (ir.py) and never import torch: `import planner` alone does not import
-torch either, so a service can solve a posted graph without it. `optimize`, `measure` and
-`plan_graph` load on first use.
+torch either, so a service can solve a posted graph without it. `optimize`, `measure`,
+`capacity` and `plan_graph` load on first use.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from planner.ir import TrainingStep
 from planner.plan import Plan
 
 if TYPE_CHECKING:
+    from planner.capacity_search import Capacity, capacity
     from planner.measurement import MeasuredStep
     from planner.planning import measure, optimize, pareto
     from planner.solving import plan_graph
 
 __all__ = [
+    "Capacity",
     "InfeasibleBudget",
     "InvalidGraph",
     "MeasuredStep",
@@ -43,6 +46,7 @@ __all__ = [
     "TrainingStep",
     "UnplannedStep",
     "UnsupportedModel",
+    "capacity",
     "measure",
     "optimize",
     "pareto",
@@ -55,6 +59,8 @@ _LAZY = {
     "pareto": "planner.planning",
     "plan_graph": "planner.solving",
     "MeasuredStep": "planner.measurement",
+    "capacity": "planner.capacity_search",
+    "Capacity": "planner.capacity_search",
 }
 
 

@@ -16,11 +16,12 @@ each node, so what remains is what no schedule changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,6 +29,7 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import _disable_current_modes
 
+from planner.attention import planned_attention
 from planner.capture import Capture, has_hooks
 from planner.ir import ActivationGraph, Node, Phase, TrainingStep
 from planner.measurement import (
@@ -456,7 +458,7 @@ def build_activation_graph(
         static_tensors += extra_static_tensors(graph_module)
         tracker.track(static_tensors)
         tracker.static_keys = {id(t.untyped_storage()) for t in static_tensors}
-        with tracker:
+        with tracker, _attention_on_meta(model, inputs, spec):
             interpreter, _ = _profile_step(graph_module, inputs, loss_fn, targets, tracker, split)
         _forbid_replaying_mutated_inputs(interpreter)
         if spec is None:
@@ -510,6 +512,15 @@ def _checkpoint_cost(
 def _device_of(model: torch.nn.Module, inputs: tuple[Any, ...]) -> torch.device:
     tensors = [*model.parameters(), *tensors_in(inputs)]
     return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _attention_on_meta(
+    model: torch.nn.Module, inputs: tuple[Any, ...], spec: DeviceSpec | None
+) -> contextlib.AbstractContextManager[Any]:
+    """On the meta device, attention runs the kernel `spec`'s device would (attention.py)."""
+    if spec is None or not any(t.is_meta for t in [*model.parameters(), *tensors_in(inputs)]):
+        return nullcontext()
+    return planned_attention(spec)
 
 
 def _selective_op_overhead_ms(

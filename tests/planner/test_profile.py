@@ -114,3 +114,12 @@ def test_random_operators_write_at_the_random_number_rate() -> None:
     assert drawn_ms == pytest.approx(streamed_ms * cpu.memory_bytes_per_s / cpu.random_bytes_per_s)
     h100 = DEVICES["h100"]
     assert analytic_forward_ms(0, 10**9, h100, random=True) == analytic_forward_ms(0, 10**9, h100)
+
+
+def test_cards_named_with_their_memory_carry_it() -> None:
+    assert device_spec("a100-40gb").memory_bytes == 40 * 2**30
+    assert device_spec("h100-80gb").memory_bytes == device_spec("a100-80gb").memory_bytes == 80 * 2**30
+    assert device_spec("rtx4090").memory_bytes == 24 * 2**30
+    assert device_spec("a100").memory_bytes is None  # 40 or 80 GiB: the name does not say
+    with pytest.raises(ValueError, match="memory_bytes must be positive"):
+        device_spec(DeviceSpec("broken", flops_per_s=1, memory_bytes_per_s=1, overhead_ms=0, memory_bytes=0))

@@ -16,6 +16,7 @@ them to the activation memory that a schedule does change (see simulate.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -36,6 +37,7 @@ __all__ = [
     "StaticBytes",
     "TraceStep",
     "TrainingStep",
+    "merge_stored",
 ]
 
 GRAPH_SCHEMA = "planner.graph/v1"
@@ -258,6 +260,18 @@ class Region:
     stop: int
     policy: RegionPolicy
     keep: tuple[int, ...] = ()
+
+
+def merge_stored(regions: Iterable[Region]) -> tuple[Region, ...]:
+    """`regions` in order, adjacent STORE regions made one: a stored region's extent changes neither
+    memory nor time, and fewer regions make fewer submodules in the rewritten model."""
+    merged: list[Region] = []
+    for region in regions:
+        if merged and merged[-1].policy is RegionPolicy.STORE and region.policy is RegionPolicy.STORE:
+            merged[-1] = Region(merged[-1].start, region.stop, RegionPolicy.STORE)
+        else:
+            merged.append(region)
+    return tuple(merged)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from planner.errors import format_bytes
-from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
+from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule, merge_stored
 from planner.simulate import CheckpointRule, simulate
 
 __all__ = [
@@ -47,18 +47,6 @@ def _region(
     return Region(start, stop, RegionPolicy.CHECKPOINT if checkpoint and allowed else RegionPolicy.STORE)
 
 
-def _merged(regions: list[Region]) -> tuple[Region, ...]:
-    """Adjacent STORE regions as one (a store region's extent does not change the simulation)."""
-    merged: list[Region] = []
-    for region in regions:
-        previous = merged[-1] if merged else None
-        if previous and previous.policy is RegionPolicy.STORE and region.policy is RegionPolicy.STORE:
-            merged[-1] = Region(previous.start, region.stop, RegionPolicy.STORE)
-        else:
-            merged.append(region)
-    return tuple(merged)
-
-
 def _body_end(graph: ActivationGraph) -> int:
     """Index after the last checkpointable node: what follows (the loss) runs outside the model."""
     return max((index + 1 for index, node in enumerate(graph.nodes) if node.checkpointable), default=0)
@@ -79,14 +67,14 @@ def equal_segments(graph: ActivationGraph, count: int) -> Schedule:
     ]
     if end < len(graph.nodes):
         regions.append(Region(end, len(graph.nodes), RegionPolicy.STORE))
-    return Schedule(regions=_merged(regions), solver=f"{count} equal segments")
+    return Schedule(regions=merge_stored(regions), solver=f"{count} equal segments")
 
 
 def each_node(graph: ActivationGraph) -> Schedule:
     """Every checkpointable node in a checkpoint of its own."""
     rule = CheckpointRule.of(graph)
     regions = [_region(graph, rule, index, index + 1, checkpoint=True) for index in range(len(graph.nodes))]
-    return Schedule(regions=_merged(regions), solver="each op checkpointed")
+    return Schedule(regions=merge_stored(regions), solver="each op checkpointed")
 
 
 def whole_model(graph: ActivationGraph) -> Schedule:
@@ -95,7 +83,7 @@ def whole_model(graph: ActivationGraph) -> Schedule:
     regions = [_region(graph, CheckpointRule.of(graph), 0, end, checkpoint=True)] if end else []
     if end < len(graph.nodes):
         regions.append(Region(end, len(graph.nodes), RegionPolicy.STORE))
-    return Schedule(regions=_merged(regions), solver="whole model checkpointed")
+    return Schedule(regions=merge_stored(regions), solver="whole model checkpointed")
 
 
 def numbered_containers(graph: ActivationGraph) -> list[str]:
@@ -155,7 +143,7 @@ def each_block(graph: ActivationGraph, container: str) -> Schedule:
         position = stop
     if position < len(graph.nodes):
         regions.append(Region(position, len(graph.nodes), RegionPolicy.STORE))
-    return Schedule(regions=_merged(regions), solver=f"each block of {container or 'the model'}")
+    return Schedule(regions=merge_stored(regions), solver=f"each block of {container or 'the model'}")
 
 
 def main_container(graph: ActivationGraph) -> str | None:

@@ -65,7 +65,7 @@ from planner.simulate import (
 __all__ = [
     "Chain",
     "RegionCost",
-    "RegionSummary",
+    "RegionCostSummary",
     "State",
     "boundary_depths",
     "build_chain",
@@ -430,7 +430,7 @@ def keep_effect(chain: Chain, region: Region, index: int) -> tuple[tuple[int, ..
 
 
 @dataclass(frozen=True)
-class RegionSummary:
+class RegionCostSummary:
     """What the region DP needs of a `RegionCost`: its peak, what it charges, its recompute, and the
     nodes the region keeps (selective checkpointing) to get them."""
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from planner.ir import Region, RegionPolicy, Schedule
+from planner.ir import Region, RegionPolicy, Schedule, merge_stored
 from planner.simulate import CheckpointRule
-from planner.solvers.chain import Chain, RegionSummary, State
+from planner.solvers.chain import Chain, RegionCostSummary, State
 from planner.solvers.region_costs import RegionCosts
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Transition:
     """Without keeps; a variant's `keep` says which nodes it keeps."""
     source: State
     target: State
-    variants: tuple[RegionSummary, ...]
+    variants: tuple[RegionCostSummary, ...]
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class CostTable:
     def start(self) -> State:
         return next(iter(self.transitions))
 
-    def with_variants(self, variants: dict[tuple[State, Region], tuple[RegionSummary, ...]]) -> CostTable:
+    def with_variants(self, variants: dict[tuple[State, Region], tuple[RegionCostSummary, ...]]) -> CostTable:
         """The same transitions with other variants where `variants` has them."""
         return CostTable(
             transitions={
@@ -254,7 +254,7 @@ def _thin(frontier: _Partials) -> _Partials:
     return frontier.take(chosen)
 
 
-def _extend(sources: _Partials, cost: RegionSummary, limit_bytes: float) -> _Partials:
+def _extend(sources: _Partials, cost: RegionCostSummary, limit_bytes: float) -> _Partials:
     """Each source followed by a region of `cost` while the region's peak stays within `limit_bytes`.
 
     Sources are sorted by retained bytes, so those that fit form a prefix. The result's ids are its
@@ -315,17 +315,6 @@ def _total_ms(chain: Chain) -> float:
     return sum(node.forward_ms for node in chain.graph.nodes)
 
 
-def _merge_stored(regions: list[Region]) -> list[Region]:
-    """Adjacent STORE regions are one region: fewer submodules, same memory."""
-    merged: list[Region] = []
-    for region in regions:
-        if merged and merged[-1].policy is RegionPolicy.STORE and region.policy is RegionPolicy.STORE:
-            merged[-1] = Region(merged[-1].start, region.stop, RegionPolicy.STORE)
-        else:
-            merged.append(region)
-    return merged
-
-
 @dataclass(frozen=True)
 class DpResult:
     schedule: Schedule
@@ -346,7 +335,7 @@ def least_recompute(chain: Chain, table: CostTable, *, activation_budget_bytes: 
     )
     if found is None:
         return None
-    schedule = Schedule(regions=tuple(_merge_stored(found.regions)), solver="dp")
+    schedule = Schedule(regions=merge_stored(found.regions), solver="dp")
     return DpResult(schedule=schedule, recompute_ms=found.recompute_ms, exact=found.exact)
 
 
@@ -354,4 +343,4 @@ def min_peak_schedule(chain: Chain, table: CostTable) -> Schedule:
     """The schedule with the lowest activation-side peak (least recompute among equals)."""
     found = _search(table, limit_bytes=float("inf"), objective=Objective.PEAK, total_ms=_total_ms(chain))
     assert found is not None, "an unconstrained search always finds the store-everything schedule"
-    return Schedule(regions=tuple(_merge_stored(found.regions)), solver="dp")
+    return Schedule(regions=merge_stored(found.regions), solver="dp")

@@ -18,7 +18,7 @@ from planner.simulate import (
     region_inputs,
     replay_stop,
 )
-from planner.solvers.chain import Chain, RegionCost, RegionSummary, local_cost, storage_bytes
+from planner.solvers.chain import Chain, RegionCost, RegionCostSummary, local_cost, storage_bytes
 
 __all__ = ["RegionCosts"]
 
@@ -180,14 +180,14 @@ class RegionCosts:
             held_out=self.held_out(region, held_in),
         )
 
-    def summary(self, region: Region, *, held_in: frozenset[str]) -> RegionSummary:
+    def summary(self, region: Region, *, held_in: frozenset[str]) -> RegionCostSummary:
         """`region_cost(chain, region, held_in=...)` summarised, shared across one structure.
 
         Recompute is a difference of running sums, so it may differ from `region_cost`'s in the last
         bits of the float.
         """
         shape, passing = self._costed_shape(region, held_in)
-        return RegionSummary(
+        return RegionCostSummary(
             peak_bytes=max(
                 shape.forward_peak_bytes + passing,
                 shape.backward_peak_bytes + self._later_gradient_bytes(region.stop),

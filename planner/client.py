@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from planner.errors import InfeasibleBudget, ServiceError
-from planner.ir import ActivationGraph, TrainingStep
+from planner.ir import ActivationGraph, TrainingStep, breakdown_from
 from planner.plan import Plan
 from planner.serialize import graph_to_dict, schedule_from_dict
 
@@ -202,7 +202,7 @@ def _response_error(response: httpx.Response) -> Exception:
         return InfeasibleBudget(
             budget_bytes=int(body["budget_bytes"]),
             min_peak_bytes=int(body["min_peak_bytes"]),
-            breakdown=dict(body.get("breakdown") or {}),
+            breakdown=breakdown_from(body.get("breakdown") or {}),
         )
     return ServiceError(
         f"the planner service answered {response.status_code} to {response.request.method} "
@@ -217,6 +217,6 @@ def _job_error(job: dict[str, Any]) -> Exception:
         return InfeasibleBudget(
             budget_bytes=int(error["budget_bytes"]),
             min_peak_bytes=int(error["min_peak_bytes"]),
-            breakdown=dict(error.get("breakdown") or {}),
+            breakdown=breakdown_from(error.get("breakdown") or {}),
         )
     return ServiceError(f"planner job {job['id']} failed ({error.get('type')}): {error.get('message')}")

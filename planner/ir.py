@@ -16,14 +16,15 @@ them to the activation memory that a schedule does change (see simulate.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 import networkx as nx
 
 __all__ = [
+    "Component",
     "GLUE_OP",
     "GRAPH_SCHEMA",
     "PLAN_SCHEMA",
@@ -37,6 +38,8 @@ __all__ = [
     "StaticBytes",
     "TraceStep",
     "TrainingStep",
+    "breakdown_from",
+    "breakdown_to_json",
     "merge_stored",
 ]
 
@@ -306,6 +309,53 @@ class Phase(Enum):
         return self in (Phase.UNSCALE, Phase.CLIP, Phase.OPTIMIZER)
 
 
+class Component(StrEnum):
+    """What the bytes live at a moment of the step are, in the order reports list them. A breakdown is
+    a `dict[Component, int]`; members are their string values, so it serialises as plain JSON."""
+
+    PARAMETERS = "parameters"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    INPUTS = "inputs"
+    BUFFERS = "buffers"
+    ACTIVATIONS = "activations"
+    RECOMPUTE = "recompute"
+    WORKSPACE = "workspace"
+
+    @property
+    def label(self) -> str:
+        """The words a report uses for it."""
+        return _COMPONENT_LABELS.get(self, self.value.replace("_", " "))
+
+    @property
+    def static(self) -> bool:
+        """Whether no checkpoint plan changes it (parameters, gradients, optimizer state, inputs, buffers)."""
+        return self in _STATIC_COMPONENTS
+
+
+def breakdown_from(raw: Mapping[str, int]) -> dict[Component, int]:
+    """A breakdown read from JSON (string keys); components this version does not know are left out."""
+    known = {component.value for component in Component}
+    return {Component(key): int(size) for key, size in raw.items() if key in known}
+
+
+def breakdown_to_json(breakdown: Mapping[Component, int]) -> dict[str, int]:
+    """A breakdown with plain string keys, as JSON and pydantic models hold it."""
+    return {component.value: size for component, size in breakdown.items()}
+
+
+_COMPONENT_LABELS = {Component.ACTIVATIONS: "kept activations", Component.RECOMPUTE: "recompute peak"}
+_STATIC_COMPONENTS = frozenset(
+    {
+        Component.PARAMETERS,
+        Component.GRADIENTS,
+        Component.OPTIMIZER_STATE,
+        Component.INPUTS,
+        Component.BUFFERS,
+    }
+)
+
+
 @dataclass(frozen=True)
 class TraceStep:
     """Live bytes at one point of the simulated step, for readable failures and timeline plots."""
@@ -325,8 +375,8 @@ class SimulationResult:
     peak_node: str
     recompute_ms: float
     step_ms: float
-    breakdown: dict[str, int]
-    """Bytes by component at the peak: parameters, gradients, optimizer_state, inputs, activations, ..."""
+    breakdown: dict[Component, int]
+    """Bytes by component at the peak."""
     peak_micro_batch: str = ""
     """Which micro-batch sets a forward/backward peak, in words ("the second micro-batch's, with all
     gradients alive"); empty for a single micro-batch with gradients set to None, and after backward."""

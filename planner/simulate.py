@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from planner.ir import (
     GLUE_OP,
     ActivationGraph,
+    Component,
     Node,
     Phase,
     Region,
@@ -377,9 +378,11 @@ class _Timeline:
     peak_bytes: int = 0
     peak_phase: Phase = Phase.FORWARD
     peak_node: str = ""
-    peak_breakdown: dict[str, int] | None = None
+    peak_breakdown: dict[Component, int] | None = None
 
-    def observe(self, phase: Phase, node: str, components: dict[str, int], trace: list[TraceStep]) -> None:
+    def observe(
+        self, phase: Phase, node: str, components: dict[Component, int], trace: list[TraceStep]
+    ) -> None:
         total = sum(components.values())
         trace.append(
             TraceStep(phase=phase, node=node, live_bytes=total, peak_bytes=max(total, self.peak_bytes))
@@ -389,14 +392,14 @@ class _Timeline:
             self.peak_breakdown = dict(components)
 
 
-def _static_components(graph: ActivationGraph) -> dict[str, int]:
+def _static_components(graph: ActivationGraph) -> dict[Component, int]:
     static = graph.static
     return {
-        "parameters": static.parameter_bytes,
-        "buffers": static.buffer_bytes,
-        "inputs": static.input_bytes,
-        "optimizer_state": static.optimizer_state_bytes,
-        "gradients": static.resident_gradient_bytes,
+        Component.PARAMETERS: static.parameter_bytes,
+        Component.BUFFERS: static.buffer_bytes,
+        Component.INPUTS: static.input_bytes,
+        Component.OPTIMIZER_STATE: static.optimizer_state_bytes,
+        Component.GRADIENTS: static.resident_gradient_bytes,
     }
 
 
@@ -461,7 +464,11 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
     live = LiveBytes(sizes)
     for index, node in enumerate(graph.nodes):
         running = live.total_bytes + _bytes(sizes, node.creates)
-        components = {**static, "activations": running, "workspace": node.forward_workspace_bytes}
+        components = {
+            **static,
+            Component.ACTIVATIONS: running,
+            Component.WORKSPACE: node.forward_workspace_bytes,
+        }
         timeline.observe(Phase.FORWARD, node.name, components, trace)
         for name in node.creates:
             live.add(name, leaves_after(name), index)
@@ -488,8 +495,8 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
         gradient_bytes += node.parameter_gradient_bytes
         base = {
             **static,
-            "gradients": static["gradients"] + gradient_bytes,
-            "workspace": node.backward_workspace_bytes,
+            Component.GRADIENTS: static[Component.GRADIENTS] + gradient_bytes,
+            Component.WORKSPACE: node.backward_workspace_bytes,
         }
         if index in triggers:
             for name in taken_at.get(index, ()):
@@ -498,20 +505,26 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
             recompute_ms += replay.recompute_ms
             components = {
                 **static,
-                "gradients": static["gradients"] + gradient_bytes - node.parameter_gradient_bytes,
-                "workspace": replay_workspace_bytes(graph, index),
-                "activations": pending.total_bytes,
-                "recompute": replay.peak_bytes,
+                Component.GRADIENTS: static[Component.GRADIENTS]
+                + gradient_bytes
+                - node.parameter_gradient_bytes,
+                Component.WORKSPACE: replay_workspace_bytes(graph, index),
+                Component.ACTIVATIONS: pending.total_bytes,
+                Component.RECOMPUTE: replay.peak_bytes,
             }
             timeline.observe(Phase.RECOMPUTE, node.name, components, trace)
             for name, at in replay.kept.items():
                 pending.add(f"{name}@replay", at, index)
-        components = {**base, "activations": pending.total_bytes}
+        components = {**base, Component.ACTIVATIONS: pending.total_bytes}
         timeline.observe(Phase.BACKWARD, node.name, components, trace)
         pending.finish(index)
 
     for phase, node_name, workspace_bytes in _after_backward(graph):
-        components = {**static, "gradients": graph.static.gradient_bytes, "workspace": workspace_bytes}
+        components = {
+            **static,
+            Component.GRADIENTS: graph.static.gradient_bytes,
+            Component.WORKSPACE: workspace_bytes,
+        }
         timeline.observe(phase, node_name, components, trace)
 
     assert timeline.peak_breakdown is not None

@@ -1,6 +1,6 @@
 """Pictures of a plan: memory over the training step, and the peak-versus-overhead frontier.
 
-Why it exists: the seed threads' question was "why did memory not drop?", and one picture of live
+Why it exists: the question users ask is "why did memory not drop?", and one picture of live
 memory across forward, backward and the optimizer step answers it faster than a table: where the
 peak sits, what the plan removed, what the static state (parameters, optimizer state) leaves
 untouched. The frontier plot shows what each extra percent of recompute buys against the budget and

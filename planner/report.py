@@ -1,6 +1,6 @@
 """The plan's report (`Plan.summary()`) and the levers to pull when checkpointing cannot help.
 
-Why it exists: the people in the seed threads could not tell *why* memory did not drop. A bare
+Why it exists: people who checkpoint by hand cannot tell *why* memory did not drop. A bare
 "predicted peak" does not tell them; what does is which phase of the step sets the peak, what is alive
 at that moment, and how much of it any checkpoint plan can touch. When the answer is "none of it"
 (the optimizer step sets the peak, or the lowest achievable peak is the no-checkpointing peak), the

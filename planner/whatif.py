@@ -1,9 +1,9 @@
 """What-if: the checkpointing people apply by hand, predicted by the same simulator as the plans.
 
-Why it exists: the seed threads tried `checkpoint_sequential` with more and more segments (000),
-`checkpoint` around single operations (001) and `checkpoint_wrapper` around the whole model (003), and
-could not see why memory went up or stayed put. Building those hand-made schedules on the planner's
-graph and simulating them shows why, in the same numbers and the same report as a plan:
+Why it exists: users try `checkpoint_sequential` with more and more segments (the zoo's seed000),
+`checkpoint` around single operations (seed001) and `checkpoint_wrapper` around the whole model
+(seed003), and cannot see why memory went up or stayed put. Building those hand-made schedules on the
+planner's graph and simulating them shows why, in the same numbers and the same report as a plan:
 
 - `equal_segments(graph, k)`: k segments of equal node count, all but the last checkpointed, as
   `checkpoint_sequential(model, k, x)` splits an `nn.Sequential`;

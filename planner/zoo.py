@@ -1,11 +1,13 @@
 """A zoo of small, deterministic models for the demo, the tests and the benchmarks.
 
 Why it exists: the planner should be judged on the models real users struggled with, not on chains chosen
-because they are easy. So the zoo rebuilds the models from the user threads in `shared/seeds` (seed 000's
-deep sigmoid MLP; both CNNs of seed 001, the user's checkpointed one and the plain one; seed 002's CIFAR-10
-model; seed 003's FeedForward stack), plus a GPT-like transformer and a BatchNorm/dropout CNN that bring
-attention, random ops and running statistics, and one MLP that `torch.fx.symbolic_trace` cannot trace,
-for the capture fallback. Weights are random; nothing is downloaded.
+because they are easy. So the zoo rebuilds the models of five reports from users whose checkpointing
+went wrong, named `seed000` to `seed003` after them: a deep sigmoid MLP whose peak rose as more segments
+were checkpointed (000); two CNNs, one the user checkpointed by hand operation by operation, and the
+plain one (001); a CIFAR-10 model whose first block froze under reentrant checkpointing (002); a
+FeedForward stack whose memory did not drop (003); plus a GPT-like transformer and a BatchNorm/dropout
+CNN that bring attention, random ops and running statistics, and one MLP that `torch.fx.symbolic_trace`
+cannot trace, for the capture fallback. Weights are random; nothing is downloaded.
 
 Each entry is scaled so that one forward and backward step on a 2-core CPU takes under 0.15 s while the
 saved activations are still megabytes, so checkpointing has something to save. `build()` constructs under

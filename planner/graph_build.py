@@ -29,6 +29,7 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.capture import Capture, has_hooks
+from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
 from planner.ir import ActivationGraph, Node, Phase, TrainingStep
 from planner.measurement import (
     LiveStorageTracker,
@@ -36,7 +37,6 @@ from planner.measurement import (
     end_autocast_forward,
     tensors_in,
 )
-from planner.profile import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
 from planner.selective_cost import OperatorCounter, measure_selective_op_overhead_ms
 from planner.simulate import simulate, store_everything
 from planner.static_memory import constant_bytes, extra_static_tensors, optimizer_name, static_bytes
@@ -482,7 +482,7 @@ def build_activation_graph(
     """Profile one training step of `captured` and return its activation graph (model left unchanged).
 
     `cost_model="measured"` times each node in repeated profiling steps on the model's device;
-    `"analytic"` prices it by FLOPs and bytes on `device` (see profile.py) and needs no timing run,
+    `"analytic"` prices it by FLOPs and bytes on `device` (see cost_model.py) and needs no timing run,
     which is the only choice for a model on the meta device. The graph describes one micro-batch that
     starts with no gradient; its static bytes include the end of `step` (clipping, unscaling, the
     optimizer step), and `simulate.for_training_step` applies the rest of `step`.

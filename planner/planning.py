@@ -19,7 +19,7 @@ from planner.ir import ActivationGraph, TrainingStep
 from planner.measurement import MeasuredStep, OptimizerSpec, default_loss, measure_step, tensors_in
 from planner.module_level import profile_units, rewrite_units
 from planner.plan import Plan
-from planner.profile import DeviceSpec
+from planner.cost_model import DeviceSpec
 from planner.rewrite import fully_sharded_modules, guard_gradients, rewrite
 from planner.sharding import Sharding, shard_graph
 from planner.simulate import for_training_step

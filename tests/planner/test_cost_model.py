@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import planner
+from planner.cost_model import DEVICES, DeviceSpec, analytic_forward_ms, device_spec
 from planner.graph_build import _moved_bytes
-from planner.profile import DEVICES, DeviceSpec, analytic_forward_ms, device_spec
 from planner.zoo import build_model
 
 

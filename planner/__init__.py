@@ -6,9 +6,11 @@
     model = plan.module
 
 The flow is capture (capture.py) -> activation graph (graph_build.py) -> solve (solvers/) ->
-rewrite (rewrite.py); `measure` reports what a real training step used. The solvers, the simulator
+rewrite (rewrite.py); `profile` runs the first two once and keeps them (a `Profile`) for any number of
+solves, which is what `optimize`, `pareto` and `Plan.replan` do; `measure` reports what a real
+training step used. The solvers, the simulator
 and `Plan` work on plain data (ir.py) and never import torch: `import planner` alone does not import
-torch either, so a service can solve a posted graph without it. `optimize`, `measure` and
+torch either, so a service can solve a posted graph without it. `optimize`, `profile`, `measure` and
 `plan_graph` load on first use.
 """
 
@@ -31,6 +33,7 @@ from planner.plan import Plan
 if TYPE_CHECKING:
     from planner.measurement import MeasuredStep
     from planner.planning import measure, optimize, pareto
+    from planner.profiling import Profile, profile
     from planner.solving import plan_graph
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "MeasuredStep",
     "Plan",
     "PlannerError",
+    "Profile",
     "ServiceError",
     "TrainingStep",
     "UnplannedStep",
@@ -47,6 +51,7 @@ __all__ = [
     "optimize",
     "pareto",
     "plan_graph",
+    "profile",
 ]
 
 _LAZY = {
@@ -54,6 +59,8 @@ _LAZY = {
     "measure": "planner.planning",
     "pareto": "planner.planning",
     "plan_graph": "planner.solving",
+    "profile": "planner.profiling",
+    "Profile": "planner.profiling",
     "MeasuredStep": "planner.measurement",
 }
 

@@ -45,7 +45,7 @@ from torch import nn
 from planner.capture import has_hooks
 from planner.ir import ActivationGraph, Node, Phase, Schedule, TrainingStep
 from planner.measurement import LiveStorageTracker, OptimizerSpec, end_autocast_forward, tensors_in
-from planner.rewrite import CheckpointedUnit
+from planner.rewrite import CheckpointedUnit, planned_class
 from planner.simulate import simulate, store_everything
 from planner.static_memory import optimizer_name, static_bytes
 
@@ -366,11 +366,13 @@ def rewrite_units(model: nn.Module, graph: ActivationGraph, schedule: Schedule) 
     """A copy of `model`'s module tree in which the checkpointed units run under checkpoint.
 
     Only the modules on the paths to those units are copied (shallow: parameters, buffers and other
-    submodules stay the model's own).
+    submodules stay the model's own); the root passes for the model's class (NOTE [drop-in] in
+    rewrite.py).
     """
     assert all(region.stop - region.start == 1 for region in schedule.checkpointed), "glue separates units"
     paths = [graph.nodes[region.start].module_path for region in schedule.checkpointed]
     planned = copy.copy(model)
+    planned.__class__ = planned_class(type(model), runs_graph=False)
     planned._modules = dict(model._modules)
     for path in paths:
         parent = planned

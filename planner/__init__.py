@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from planner.errors import (
     InfeasibleBudget,
     InvalidGraph,
+    LargerShapeWarning,
     PlannerError,
     ServiceError,
     UnplannedStep,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "InfeasibleBudget",
     "InvalidGraph",
+    "LargerShapeWarning",
     "MeasuredStep",
     "Plan",
     "PlannerError",

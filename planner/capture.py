@@ -15,8 +15,8 @@ that takes the finest level that works and records which one it took (`Capture.p
    training. The unlifted graph fetches the model's own Parameter and buffer objects, so gradients and
    tied weights are the model's. The batch and sequence dimensions of every tensor input (the first
    two) are exported as `Dim.AUTO`: export keeps dynamic what the model lets vary and specialises the
-   rest, recording ranges and guards (see NOTE [other shapes]); when that fails, the graph is specialised to the
-   example's shapes. It is specialised to the example call's structure either way.
+   rest, recording ranges and guards (see NOTE [other shapes]); when that fails, the graph is
+   specialised to the example's shapes. It is specialised to the example call's structure either way.
 3. When neither works, `capture` raises `UnsupportedModel` naming the construct each level failed on
    and the workaround; `optimize` then plans the model by its submodules, running its forward as
    written (`"module"`, planner/module_level.py), and raises only if that finds none to checkpoint.
@@ -44,11 +44,11 @@ order (FX) or the flat tensors of the example call's structure (export).
 NOTE [other shapes]: `GraphCall.admits` says whether a call can run on the captured graph. An FX graph
 runs at any shape unless it inlines a container that torch.export specialised (`pinned_shapes`). An
 exported graph needs the example's structure, dtypes, devices and contiguity (export asserts dtypes
-and traces views for the example's strides), and either the example's shapes (a static export) or shapes inside
-the ranges and guards of its dynamic dimensions, checked as torch.export checks the inputs of the
-modules it unlifts (which admits sizes 0 and 1 where the range starts at 2: export reasons as if a
-dynamic size were at least 2, and the graph it records holds for 1 as well). A call the graph does not
-admit is captured again at its own shape (planner/shapes.py).
+and traces views for the example's strides), and either the example's shapes (a static export) or
+shapes inside the ranges and guards of its dynamic dimensions, checked as torch.export checks the
+inputs of the modules it unlifts (which admits sizes 0 and 1 where the range starts at 2: export
+reasons as if a dynamic size were at least 2, and the graph it records holds for 1 as well). A call
+the graph does not admit is captured again at its own shape (planner/shapes.py).
 """
 
 from __future__ import annotations

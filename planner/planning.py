@@ -38,7 +38,8 @@ def optimize(
     world_size: int = 1,
     sharding: str = "ddp",
 ) -> Plan:
-    """Plan activation checkpointing so one training step of `model` fits the budget.
+    """Plan activation checkpointing so one training step of `model` fits the budget:
+    `planner.profile(model, example_inputs, ...)` and then `.plan(budget, solver)` on that profile.
 
     For data-parallel training over `world_size` ranks, pass the per-rank example batch and
     `sharding="ddp"` (replicated state plus DDP's gradient buckets) or `"fsdp"` (state split across
@@ -59,7 +60,8 @@ def optimize(
     `loss_fn(output) -> scalar` defaults to the sum of the output's floating tensors. Raises
     `InfeasibleBudget` (a ValueError) when no plan fits, with the lowest achievable peak, and
     `UnsupportedModel` when no capture level works. The model is left unchanged; `plan.module` shares
-    its parameters.
+    its parameters, trains at the example's shapes and every smaller one within the budget, and warns
+    once at a larger one (`plan.predicted_peak_bytes_for(...)` predicts any shape).
     """
     budget = budget_bytes_of(budget_gb, budget_bytes)
     check_solver(solver)

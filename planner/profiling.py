@@ -51,7 +51,13 @@ from planner.ir import ActivationGraph, Schedule, TrainingStep
 from planner.measurement import OptimizerSpec, default_loss, tensors_in
 from planner.module_level import profile_units, rewrite_units
 from planner.plan import Plan
-from planner.rewrite import add_forward_pre_hook, fully_sharded_modules, guard_gradients, rewrite
+from planner.rewrite import (
+    AUTOCAST_DEVICES,
+    add_forward_pre_hook,
+    fully_sharded_modules,
+    guard_gradients,
+    rewrite,
+)
 from planner.shapes import (
     align_names,
     carry_schedule,
@@ -97,9 +103,6 @@ class ProfileSettings:
     sharding: Sharding
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
     """The autocast blocks (device type, dtype) the profile was made in: its graph's precision."""
-
-
-AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def _autocast_now() -> tuple[tuple[str, torch.dtype], ...]:

@@ -5,10 +5,10 @@ Why it exists: people plan with one example batch and train on many shapes: a sh
 (`drop_last=False` is the default of DataLoader and of the Hugging Face Trainer), dynamic padding,
 packing, curriculum sequence lengths. An FX graph runs at any shape; a graph exported with dynamic
 dimensions runs at every shape inside its ranges and guards (NOTE [other shapes] in capture.py). A
-call that the captured graph does not admit (a batch of one, which export always specialises; a
-model export could only capture at the example's shapes; an FX graph with an inlined exported
-container) is captured again at its own shape, once per shape (`CallDispatch`), and the plan's
-regions are carried over to the new graph; nothing is profiled again.
+call that the captured graph does not admit (outside those ranges and guards, another dtype or
+layout, a model export could only capture at the example's shapes, an FX graph with an inlined
+exported container) is captured again at its own shape, once per shape (`CallDispatch`), and the
+plan's regions are carried over to the new graph; nothing is profiled again.
 
 NOTE [carried regions]: a graph captured at another shape holds the same operations as the profiled
 one, give or take shape plumbing (a slice export drops where it is a no-op at one shape and keeps at
@@ -35,6 +35,7 @@ from torch import fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from planner.capture import Capture, GraphCall, call_shapes, capture
+from planner.errors import UnsupportedModel
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 
 __all__ = [
@@ -222,7 +223,7 @@ class CallDispatch:
         with outside_modes(), _training(self.model):
             captured = capture(self.model, tuple(args), dict(kwargs))
         if captured.path.split(" ")[0] != self.profiled.path.split(" ")[0]:
-            raise RuntimeError(
+            raise UnsupportedModel(
                 f"plan.module: at tensor shapes {call_shapes(args, kwargs)} the model was captured by "
                 f"{captured.path!r}, not by {self.profiled.path!r} as at the example's; plan with an "
                 "example of this shape (planner.optimize)"
@@ -233,9 +234,9 @@ class CallDispatch:
         if len(self.entries) > MANY_SHAPES and not self._warned_many:
             self._warned_many = True
             warnings.warn(
-                f"plan.module has captured {type(self.model).__name__} at {len(self.entries)} shapes that "
-                "its graph's dynamic dimensions do not cover (each costs one torch.export); pad batches to "
-                "a few fixed lengths, or avoid batches of one (DataLoader(drop_last=True))",
+                f"plan.module has captured {type(self.model).__name__} at {len(self.entries)} shapes, as its "
+                "first graph does not admit them (each capture costs one torch.export); pad batches to a "
+                "few fixed lengths",
                 stacklevel=4,
             )
         return entry

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from planner.profile import DeviceSpec
+from planner.cost_model import DeviceSpec
 
 __all__ = ["FLASH_MAX_HEAD_SIZE", "planned_attention"]
 

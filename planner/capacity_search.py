@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 
+from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, SimulationResult, TrainingStep
 from planner.measurement import OptimizerSpec, tensors_in
 from planner.plan import Plan
-from planner.planning import _budget_bytes, _capture_and_profile, _training_step, optimize
-from planner.profile import DeviceSpec, device_spec
+from planner.planning import optimize
+from planner.profiling import budget_bytes_of, profile, training_step_of
 from planner.rescale import FIT_SIZES, GraphFamily, NotRescalable
 from planner.simulate import for_training_step, simulate, store_everything
 from planner.sizing import (
@@ -186,11 +187,10 @@ def _autocast(call: _Call, dtype: torch.dtype | None) -> AbstractContextManager[
 
 def _profile_size(call: _Call, settings: _Settings) -> ActivationGraph:
     """The activation graph of one micro-batch at one size, as profiled (before the training step's
-    accumulation is applied). The one call into the profiling pipeline: when `planner.profile` lands
-    (issue 13) this becomes `planner.profile(call.model, call.args, ...).graph`."""
+    accumulation is applied): the one call into the profiling pipeline (`planner.profile`)."""
     with _autocast(call, settings.autocast):
-        _, graph = _capture_and_profile(call.model, call.args, call.kwargs, **settings.step_options())
-    return graph
+        profiled = profile(call.model, call.args, example_kwargs=call.kwargs, **settings.step_options())
+    return profiled.profiled_graph
 
 
 class _Progress:
@@ -528,7 +528,7 @@ class Capacity:
         those of this table's device."""
         return _table(
             self._search,
-            _budget_bytes(budget_gb, budget_bytes),
+            budget_bytes_of(budget_gb, budget_bytes),
             None,
             global_batch=global_batch,
             fixed=self.fixed,
@@ -651,7 +651,7 @@ def _resolve_budget(
 ) -> tuple[int, str | None]:
     """(budget in bytes, the card's name or None): an explicit budget, else the named card's memory."""
     if budget_gb is not None or budget_bytes is not None:
-        budget = _budget_bytes(budget_gb, budget_bytes)
+        budget = budget_bytes_of(budget_gb, budget_bytes)
         return budget, device_spec(device).name if device is not None else None
     if device is None:
         raise ValueError(
@@ -818,7 +818,7 @@ def capacity(
     reuse = chosen_cost_model == "analytic" if reuse_captures is None else reuse_captures
     settings = _Settings(
         optimizer=optimizer,
-        step=_training_step(step),
+        step=training_step_of(step),
         loss_fn=loss_fn,
         cost_model=chosen_cost_model,
         device=device,

@@ -90,9 +90,6 @@ EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
 """No checkpoint plan fits the budget; the message says the lowest achievable peak and what dominates."""
 
-UNLIMITED_BYTES = 2**62
-"""Budget of the profiling call: every plan fits it, so profiling never fails on the budget."""
-
 BINARY_UNITS: dict[str, int] = {
     "": 1,
     "b": 1,
@@ -254,16 +251,14 @@ def _profile(
     max_grad_norm: float | None,
     quiet: bool,
 ) -> Any:
-    """Load the target and profile one training step: a Plan without checkpointing, with its graph."""
+    """Load the target and profile one training step (`planner.profile`)."""
     import planner
 
     model, inputs = load_target(target, input_shapes)
     with _stage(f"capturing and profiling one training step of {target}", quiet=quiet):
         try:
             step = planner.TrainingStep(accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)
-            return planner.optimize(
-                model, inputs, budget_bytes=UNLIMITED_BYTES, optimizer=optimizer, step=step, solver="none"
-            )
+            return planner.profile(model, inputs, optimizer=optimizer, step=step)
         except (planner.UnsupportedModel, ValueError, TypeError) as error:
             _fail(str(error))
 
@@ -296,7 +291,7 @@ def plan(
     import planner
     from planner.errors import format_bytes
 
-    reference = _profile(
+    profiled = _profile(
         target,
         input_shape or [],
         optimizer,
@@ -306,9 +301,9 @@ def plan(
     )
     with _stage(f"solving for a budget of {format_bytes(budget)} with {solver}", quiet=quiet):
         try:
-            result = planner.plan_graph(reference.graph, budget_bytes=budget, solver=solver)
+            result = profiled.plan(budget_bytes=budget, solver=solver)
         except planner.InfeasibleBudget as error:
-            _infeasible(error, reference.graph)
+            _infeasible(error, profiled.graph)
         except ValueError as error:
             _fail(str(error))
     if json_path is not None:
@@ -338,9 +333,8 @@ def pareto(
     """Peak against recompute over budgets, beside the usual baselines; optionally plotted."""
     from planner import whatif
     from planner.errors import format_bytes
-    from planner.solving import pareto_frontier
 
-    reference = _profile(
+    profiled = _profile(
         target,
         input_shape or [],
         optimizer,
@@ -348,9 +342,12 @@ def pareto(
         max_grad_norm=max_grad_norm,
         quiet=quiet,
     )
-    graph = reference.graph
+    graph = profiled.graph
     with _stage(f"solving at {points} budgets with {solver}", quiet=quiet):
-        frontier = pareto_frontier(graph, points=points, solver=solver)
+        try:
+            frontier = profiled.pareto(points=points, solver=solver)
+        except ValueError as error:
+            _fail(str(error))
     schedules = {
         f"planner at {format_bytes(point.budget_bytes)}": schedule
         for point in frontier.points
@@ -373,7 +370,7 @@ def pareto(
             baselines={row.name: (row.peak_bytes, row.overhead) for row in baselines},
         )
     if not quiet:
-        typer.echo(whatif.render_comparison(rows + baselines, baseline_bytes=reference.baseline_peak_bytes))
+        typer.echo(whatif.render_comparison(rows + baselines, baseline_bytes=frontier.baseline_peak_bytes))
 
 
 def parse_sizes(text: str) -> int | range | tuple[int, ...]:

@@ -16,6 +16,7 @@ __all__ = [
     "GraphProblem",
     "InfeasibleBudget",
     "InvalidGraph",
+    "LargerShapeWarning",
     "PlannerError",
     "ServiceError",
     "UnplannedStep",
@@ -45,6 +46,11 @@ class UnsupportedModel(PlannerError):
 class UnplannedStep(PlannerError, RuntimeError):
     """A planned module ran a training step its plan did not count (e.g. gradient accumulation with a
     plan for one micro-batch); the message says how to plan that step."""
+
+
+class LargerShapeWarning(UserWarning):
+    """A planned module trained on inputs larger than the example it was planned with: the budget was
+    made for the example, so the message gives the predicted peak at the larger shapes."""
 
 
 @dataclass(frozen=True)

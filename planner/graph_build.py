@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from planner.attention import planned_attention
 from planner.capture import Capture, has_hooks
+from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
 from planner.ir import ActivationGraph, Node, Phase, TrainingStep
 from planner.measurement import (
     LiveStorageTracker,
@@ -38,7 +39,6 @@ from planner.measurement import (
     end_autocast_forward,
     tensors_in,
 )
-from planner.profile import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
 from planner.profiling_records import RANDOM_FUNCTIONS, RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
 from planner.selective_cost import CheckpointCost, measure_checkpoint_cost, measure_selective_op_overhead_ms
 from planner.simulate import simulate, store_everything
@@ -438,7 +438,7 @@ def build_activation_graph(
     """Profile one training step of `captured` and return its activation graph (model left unchanged).
 
     `cost_model="measured"` times each node in repeated profiling steps on the model's device;
-    `"analytic"` prices it by FLOPs and bytes on `device` (see profile.py) and needs no timing run,
+    `"analytic"` prices it by FLOPs and bytes on `device` (see cost_model.py) and needs no timing run,
     which is the only choice for a model on the meta device. The graph describes one micro-batch that
     starts with no gradient; its static bytes include the end of `step` (clipping, unscaling, the
     optimizer step), and `simulate.for_training_step` applies the rest of `step`.

@@ -205,7 +205,7 @@ class ActivationGraph:
     optimizer: str
     timing: str = "measured"
     """Where per-node times come from: "measured" (profiling steps on the model's device) or
-    "analytic (<device>)" (FLOPs and bytes on a roofline, see profile.py)."""
+    "analytic (<device>)" (FLOPs and bytes on a roofline, see cost_model.py)."""
     selective_op_overhead_ms: float = 0.0
     """Time a selective checkpoint policy adds per dispatched operator of a region that keeps nodes
     (forward and replay together; see selective_cost.py)."""

@@ -30,7 +30,7 @@ from torch import fx, nn
 
 from planner.capture import Capture, GraphCall
 from planner.ir import ActivationGraph, Schedule
-from planner.rewrite import with_checkpointed_units
+from planner.rewrite import planned_class, with_checkpointed_units
 from planner.split_calls import MODEL_CALL
 
 __all__ = ["MODULE_LEVEL", "capture_model_call", "rewrite_units"]
@@ -61,8 +61,11 @@ def rewrite_units(model: nn.Module, graph: ActivationGraph, schedule: Schedule) 
     """A copy of `model`'s module tree in which the checkpointed units run under checkpoint.
 
     Only the modules on the paths to those units are copied (shallow: parameters, buffers and other
-    submodules stay the model's own).
+    submodules stay the model's own); the root passes for the model's class (NOTE [drop-in] in
+    rewrite.py).
     """
     assert all(region.stop - region.start == 1 for region in schedule.checkpointed), "glue separates units"
     paths = [graph.nodes[region.start].module_path for region in schedule.checkpointed]
-    return with_checkpointed_units(model, paths)
+    planned = with_checkpointed_units(model, paths)
+    planned.__class__ = planned_class(type(model), runs_graph=False)
+    return planned

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
 from planner.ir import ActivationGraph, Node, StaticBytes
-from planner.profile import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
 
 __all__ = ["FIT_SIZES", "GraphFamily", "NotRescalable"]
 

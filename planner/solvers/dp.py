@@ -83,9 +83,7 @@ class CostTable:
         return CostTable(
             transitions={
                 state: tuple(
-                    Transition(
-                        t.region, t.source, t.target, variants.get((t.source, t.region), t.variants)
-                    )
+                    Transition(t.region, t.source, t.target, variants.get((t.source, t.region), t.variants))
                     for t in transitions
                 )
                 for state, transitions in self.transitions.items()

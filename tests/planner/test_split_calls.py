@@ -128,8 +128,8 @@ def assert_child_calls_checkpoint_as_predicted(
 ) -> None:
     schedule = every_child_call(plan.graph)
     assert schedule.checkpointed, "no child call to checkpoint"
-    assert plan.rewriter is not None
-    module = plan.rewriter(schedule)
+    assert plan.profile is not None
+    module = plan.profile.rewrite(schedule)
     predicted = simulate(plan.graph, schedule).peak_bytes
     measured = planner.measure(copy.deepcopy(module), inputs).peak_bytes
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)

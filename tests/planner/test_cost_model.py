@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import planner
-from planner.profile import DEVICES, DeviceSpec, analytic_forward_ms, device_spec
+from planner.cost_model import DEVICES, DeviceSpec, analytic_forward_ms, device_spec
 from planner.profiling_records import moved_bytes
 from planner.zoo import build_model
 

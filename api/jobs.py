@@ -35,6 +35,7 @@ from typing import Any
 
 from api.databases import Database, Rows, Run, open_database
 from planner.errors import InfeasibleBudget, InvalidGraph, PlannerError
+from planner.ir import breakdown_to_json
 
 __all__ = ["Job", "JobError", "JobStatus", "JobStore", "canonical_json", "request_key"]
 
@@ -76,7 +77,7 @@ class JobError:
                 message=str(error),
                 budget_bytes=error.budget_bytes,
                 min_peak_bytes=error.min_peak_bytes,
-                breakdown=dict(error.breakdown),
+                breakdown=breakdown_to_json(error.breakdown),
             )
         if isinstance(error, InvalidGraph):
             return cls(type="invalid_graph", message=str(error))

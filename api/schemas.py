@@ -85,6 +85,10 @@ class GraphDocument(BaseModel):
     """Where per-node times come from: "measured" or "analytic (<device>)"."""
     selective_op_overhead_ms: float = Field(default=0.0, ge=0.0)
     """Time a selective checkpoint policy adds per operator of a region that keeps nodes."""
+    checkpoint_call_ms: float = Field(default=0.0, ge=0.0)
+    """Time one checkpointed region adds beyond replaying its forward (checkpoint's own work)."""
+    checkpoint_op_ms: float = Field(default=0.0, ge=0.0)
+    """Time a checkpointed region adds per operator of its nodes (checkpoint's saved-tensor hooks)."""
     static: StaticBytes
     step: TrainingStep = TrainingStep()
     """The training step the static bytes and nodes describe (accumulation, clipping, GradScaler)."""
@@ -102,6 +106,8 @@ class GraphDocument(BaseModel):
             optimizer=self.optimizer,
             timing=self.timing,
             selective_op_overhead_ms=self.selective_op_overhead_ms,
+            checkpoint_call_ms=self.checkpoint_call_ms,
+            checkpoint_op_ms=self.checkpoint_op_ms,
             step=self.step,
         )
 

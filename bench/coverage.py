@@ -11,7 +11,13 @@ tensor) and for two of them under bf16 autocast, it records:
 - at the mid budget `min + 0.5 (baseline - min)` of the plan's own predictions: the predicted and the
   measured peak (two real Adam steps, `planner.measure`), the relative error and whether it fits;
 - whether one training step of `plan.module` gives the original's loss, gradients and buffers
-  (same seed, dropout included), and the largest relative gradient difference.
+  (same seed, dropout included), and the largest relative gradient difference;
+- other shapes: the example with half the batch, and with half the sequence (every dimension of the
+  first 2-D input's length halved, where the original model runs at it): whether `plan.module` trains
+  there with the original's loss and gradients, and its measured peak against the budget (made for
+  the example: smaller calls must fit it);
+- whether `plan.module.forward` has the original's signature (what the Hugging Face Trainer filters a
+  batch's columns by).
 
 It asserts nothing: a miss is a row. Run from the repository root:
 
@@ -27,7 +33,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import importlib.util
+import inspect
 import json
 import logging
 import platform
@@ -36,6 +44,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,7 +55,6 @@ from planner.zoo_real import REAL_ZOO, ExampleCall, build_call
 log = logging.getLogger("bench.coverage")
 
 RESULTS_DIRECTORY = Path(__file__).resolve().parent / "results"
-REFERENCE_BUDGET_BYTES = 2**40
 MID_FRACTION = 0.5
 PREDICTION_TOLERANCE = 0.05
 GRADIENT_RTOL = 1e-6
@@ -73,7 +81,19 @@ class CoverageRow:
     same_loss_and_gradients: bool = False
     max_gradient_difference: float = 0.0
     optimize_s: float = 0.0
+    other_shapes: str = ""
+    """"yes" when plan.module trained at every smaller shape with the original's loss and gradients,
+    else what went wrong."""
+    half_batch_measured_bytes: int | None = None
+    half_sequence_measured_bytes: int | None = None
+    """Measured peaks at half the batch and half the sequence; None where the original does not run."""
+    trainer_signature: bool = False
     unsupported: str = ""
+
+    @property
+    def half_shapes_fit(self) -> bool:
+        peaks = [self.half_batch_measured_bytes, self.half_sequence_measured_bytes]
+        return all(peak <= self.budget_bytes for peak in peaks if peak is not None)
 
 
 @contextlib.contextmanager
@@ -113,27 +133,87 @@ def _compare(
     return same_loss and worst <= GRADIENT_RTOL, worst
 
 
+def _halved_batch(value: Any, batch: int) -> Any:
+    """Dimension 0 halved where it is the batch."""
+    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+        return value[: batch // 2].contiguous()
+    return value
+
+
+def _halved_length(value: Any, batch: int, length: int) -> Any:
+    """Every dimension of size `length` halved, but a batch dimension (a causal mask's two are halved)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    index = tuple(
+        slice(0, size // 2) if size == length and not (dim == 0 and size == batch) else slice(None)
+        for dim, size in enumerate(value.shape)
+    )
+    return value[index].contiguous()
+
+
+def smaller_calls(call: ExampleCall) -> dict[str, ExampleCall]:
+    """The example with half the batch (the first input's first dimension) and with half the sequence
+    (the first 2-D input's second dimension), each left out where the original model cannot run it."""
+    tensors = [t for t in (*call.args, *call.kwargs.values()) if isinstance(t, torch.Tensor) and t.dim()]
+    batch = tensors[0].shape[0]
+    lengths = [t.shape[1] for t in tensors if t.dim() >= 2]
+    shrinkers = {"batch": functools.partial(_halved_batch, batch=batch)}
+    if lengths and lengths[0] != batch:
+        shrinkers["sequence"] = functools.partial(_halved_length, batch=batch, length=lengths[0])
+    calls = {}
+    for kind, shrink in shrinkers.items():
+        kwargs = {key: shrink(value) for key, value in call.kwargs.items()}
+        smaller = ExampleCall(call.model, tuple(map(shrink, call.args)), kwargs)
+        try:
+            _step(call.model, smaller, "fp32")
+        except Exception as error:  # noqa: BLE001 - the original does not run there: not one of its shapes
+            log.info("%s does not run at half the %s (%s)", type(call.model).__name__, kind, error)
+            continue
+        calls[kind] = smaller
+    return calls
+
+
+def other_shapes(plan: planner.Plan, call: ExampleCall, precision: str) -> tuple[str, dict[str, int]]:
+    """("yes" or what failed, measured peak per smaller call) of plan.module at the smaller calls."""
+    assert plan.module is not None
+    measured: dict[str, int] = {}
+    failures = []
+    for kind, smaller in smaller_calls(call).items():
+        try:
+            expected = _step(call.model, smaller, precision)
+            same, worst = _compare(expected, _step(plan.module, smaller, precision))
+            with _precision(precision):
+                measured[kind] = planner.measure(
+                    copy.deepcopy(plan.module), smaller.args, example_kwargs=smaller.kwargs
+                ).peak_bytes
+        except Exception as error:  # noqa: BLE001 - a failure is a row, not a crash
+            failures.append(f"half {kind}: {type(error).__name__}: {error}")
+            continue
+        if not same:
+            failures.append(f"half {kind}: gradients differ ({worst:.1e})")
+    return ("; ".join(failures) or "yes"), measured
+
+
 def cover(name: str, precision: str) -> CoverageRow:
     call = build_call(name)
     arguments = {"example_kwargs": call.kwargs}
+    started = time.perf_counter()
     try:
         with _precision(precision):
-            reference = planner.optimize(
-                call.model, call.args, budget_bytes=REFERENCE_BUDGET_BYTES, **arguments
-            )
+            profile = planner.profile(call.model, call.args, **arguments)
     except planner.UnsupportedModel as error:
         return CoverageRow(model=name, precision=precision, capture="unsupported", unsupported=str(error))
+    frontier = profile.pareto(points=2, solver="dp")
     budget = int(
-        reference.min_peak_bytes + MID_FRACTION * (reference.baseline_peak_bytes - reference.min_peak_bytes)
+        frontier.min_peak_bytes + MID_FRACTION * (frontier.baseline_peak_bytes - frontier.min_peak_bytes)
     )
-    started = time.perf_counter()
-    with _precision(precision):
-        plan = planner.optimize(call.model, call.args, budget_bytes=budget, **arguments)
+    plan = profile.plan(budget_bytes=budget)
     optimize_s = time.perf_counter() - started
     assert plan.module is not None
     with _precision(precision):
         measured = planner.measure(copy.deepcopy(plan.module), call.args, **arguments).peak_bytes
     same, worst = _compare(_step(call.model, call, precision), _step(plan.module, call, precision))
+    shapes, smaller_peaks = other_shapes(plan, call, precision)
     return CoverageRow(
         model=name,
         precision=precision,
@@ -148,29 +228,46 @@ def cover(name: str, precision: str) -> CoverageRow:
         same_loss_and_gradients=same,
         max_gradient_difference=worst,
         optimize_s=optimize_s,
+        other_shapes=shapes,
+        half_batch_measured_bytes=smaller_peaks.get("batch"),
+        half_sequence_measured_bytes=smaller_peaks.get("sequence"),
+        trainer_signature=inspect.signature(plan.module.forward) == inspect.signature(call.model.forward),
     )
 
 
 def markdown(rows: list[CoverageRow]) -> str:
     lines = [
         "| model | precision | capture path | nodes | regions | budget MiB | predicted MiB | measured MiB "
-        "| error | fits | loss & gradients |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|:---:|:---:|",
+        "| error | fits | loss & gradients | other shapes | half batch / half sequence, measured MiB "
+        "| Trainer signature |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|:---:|:---:|:---:|---:|:---:|",
     ]
     for row in rows:
         if row.unsupported:
             reason = row.unsupported.split(": ", 1)[-1].replace("|", "/")
             reason = reason if len(reason) <= REASON_CHARACTERS else reason[:REASON_CHARACTERS] + " ..."
-            lines.append(f"| {row.model} | {row.precision} | unsupported: {reason} | | | | | | | | |")
+            lines.append(f"| {row.model} | {row.precision} | unsupported: {reason} | | | | | | | | | | | |")
             continue
         gradients = "equal" if row.same_loss_and_gradients else f"differ ({row.max_gradient_difference:.1e})"
         lines.append(
             f"| {row.model} | {row.precision} | {row.capture} | {row.nodes} | {row.regions} "
             f"| {row.budget_bytes / MIB:.2f} | {row.predicted_peak_bytes / MIB:.2f} "
             f"| {row.measured_peak_bytes / MIB:.2f} | {row.prediction_error:+.1%} "
-            f"| {'yes' if row.fits else 'NO'} | {gradients} |"
+            f"| {'yes' if row.fits else 'NO'} | {gradients} | {_short(row.other_shapes)} "
+            f"| {_half_peaks(row)} | {'yes' if row.trainer_signature else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _short(text: str) -> str:
+    text = text.replace("|", "/")
+    return text if len(text) <= REASON_CHARACTERS else text[:REASON_CHARACTERS] + " ..."
+
+
+def _half_peaks(row: CoverageRow) -> str:
+    peaks = [row.half_batch_measured_bytes, row.half_sequence_measured_bytes]
+    figures = " / ".join("n/a" if peak is None else f"{peak / MIB:.2f}" for peak in peaks)
+    return f"{figures} ({'fit' if row.half_shapes_fit else 'OVER'})"
 
 
 def main() -> None:
@@ -201,7 +298,7 @@ def main() -> None:
             "cpu": platform.processor(),
         },
         "mid_fraction": MID_FRACTION,
-        "rows": [asdict(row) for row in rows],
+        "rows": [asdict(row) | {"half_shapes_fit": row.half_shapes_fit} for row in rows],
     }
     arguments.out.write_text(json.dumps(document, indent=1) + "\n")
     arguments.out.with_suffix(".md").write_text(table)

@@ -70,7 +70,7 @@ class PeerComparison:
 class SolverLadder:
     """`dp` and `ilp` planned at the every-block peer's measured peak, timed with it in the same rounds.
 
-    The solver issue's claim: at one budget, measured step-time overhead ilp <= dp <= every block.
+    The solvers' claim: at one budget, measured step-time overhead ilp <= dp <= every block.
     """
 
     budget_bytes: int | None = None

@@ -2,7 +2,7 @@
 
 Why it exists: users checkpoint by hand with one line per block type, and a planner is only worth using
 if it never claims "impossible" where that line works and is no slower at the same memory. For every zoo
-model (the seed-thread zoo and the real-model zoo, DAG-shaped models included) this script records:
+model (the user-report zoo and the real-model zoo, DAG-shaped models included) this script records:
 
 - the measured peak without checkpointing and with every instance of each repeated, hook-free module
   type checkpointed (non-reentrant `checkpoint_wrapper`; planner/zoo_dag.py), and which of those types

@@ -4,12 +4,15 @@
     plan = planner.optimize(model, example_inputs, budget_gb=8)
     print(plan.summary())
     model = plan.module
+    print(planner.capacity(model, make_inputs, batch=range(1, 513), device="a100-40gb"))
 
 The flow is capture (capture.py) -> activation graph (graph_build.py) -> solve (solvers/) ->
-rewrite (rewrite.py); `measure` reports what a real training step used. The solvers, the simulator
+rewrite (rewrite.py); `profile` runs the first two once and keeps them (a `Profile`) for any number of
+solves, which is what `optimize`, `pareto` and `Plan.replan` do; `measure` reports what a real
+training step used. The solvers, the simulator
 and `Plan` work on plain data (ir.py) and never import torch: `import planner` alone does not import
-torch either, so a service can solve a posted graph without it. `optimize`, `measure` and
-`plan_graph` load on first use.
+torch either, so a service can solve a posted graph without it. `optimize`, `profile`, `measure`,
+`capacity` and `plan_graph` load on first use.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from planner.errors import (
     InfeasibleBudget,
     InvalidGraph,
+    LargerShapeWarning,
     PlannerError,
     ServiceError,
     UnplannedStep,
@@ -29,24 +33,31 @@ from planner.ir import TrainingStep
 from planner.plan import Plan
 
 if TYPE_CHECKING:
+    from planner.capacity_search import Capacity, capacity
     from planner.measurement import MeasuredStep
     from planner.planning import measure, optimize, pareto
+    from planner.profiling import Profile, profile
     from planner.solving import plan_graph
 
 __all__ = [
+    "Capacity",
     "InfeasibleBudget",
     "InvalidGraph",
+    "LargerShapeWarning",
     "MeasuredStep",
     "Plan",
     "PlannerError",
+    "Profile",
     "ServiceError",
     "TrainingStep",
     "UnplannedStep",
     "UnsupportedModel",
+    "capacity",
     "measure",
     "optimize",
     "pareto",
     "plan_graph",
+    "profile",
 ]
 
 _LAZY = {
@@ -54,7 +65,11 @@ _LAZY = {
     "measure": "planner.planning",
     "pareto": "planner.planning",
     "plan_graph": "planner.solving",
+    "profile": "planner.profiling",
+    "Profile": "planner.profiling",
     "MeasuredStep": "planner.measurement",
+    "capacity": "planner.capacity_search",
+    "Capacity": "planner.capacity_search",
 }
 
 

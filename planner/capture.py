@@ -13,8 +13,10 @@ that takes the finest level that works and records which one it took (`Capture.p
    through what FX cannot (Hugging Face models' keyword inputs, `ModelOutput` dataclasses, decorators,
    `*args`/`**kwargs`) down to ATen operators, keeping in-place ops and buffer updates as they run in
    training. The unlifted graph fetches the model's own Parameter and buffer objects, so gradients and
-   tied weights are the model's. It is specialised to the example call's structure and shapes: a call of
-   another shape raises a ValueError that says so (see `GraphCall`).
+   tied weights are the model's. The batch and sequence dimensions of every tensor input (the first
+   two) are exported as `Dim.AUTO`: export keeps dynamic what the model lets vary and specialises the
+   rest, recording ranges and guards (see NOTE [other shapes]); when that fails, the graph is
+   specialised to the example's shapes. It is specialised to the example call's structure either way.
 3. When neither works, `capture` raises `UnsupportedModel` naming the construct each level failed on
    and the workaround; `optimize` then plans the model by its submodules, running its forward as
    written (`"module"`, planner/module_level.py), and raises only if that finds none to checkpoint.
@@ -38,6 +40,15 @@ graph_build keeps their readers out of checkpointed regions.
 Which inputs the graph takes is the job of `GraphCall`: the planned module is called like the model
 (`model(x, attention_mask=m)`), and the captured graph takes either the bound arguments in signature
 order (FX) or the flat tensors of the example call's structure (export).
+
+NOTE [other shapes]: `GraphCall.admits` says whether a call can run on the captured graph. An FX graph
+runs at any shape unless it inlines a container that torch.export specialised (`pinned_shapes`). An
+exported graph needs the example's structure, dtypes, devices and contiguity (export asserts dtypes
+and traces views for the example's strides), and either the example's shapes (a static export) or
+shapes inside the ranges and guards of its dynamic dimensions, checked as torch.export checks the
+inputs of the modules it unlifts (which admits sizes 0 and 1 where the range starts at 2: export
+reasons as if a dynamic size were at least 2, and the graph it records holds for 1 as well). A call
+the graph does not admit is captured again at its own shape (planner/shapes.py).
 """
 
 from __future__ import annotations
@@ -49,24 +60,37 @@ import inspect
 import logging
 import operator
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.utils._pytree import TreeSpec, tree_flatten
+from torch._export.utils import _check_input_constraints_for_graph
+from torch.export import Dim
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_map
 
 from planner.errors import UnsupportedModel
 from planner.submodule_export import (
+    EXPORT_GUARDS_MODULE,
     check_shared_state,
     drop_export_guards,
     inline_exported_containers,
     quiet_export,
 )
 
-__all__ = ["Capture", "CapturePath", "GraphCall", "capture", "has_hooks", "hooked_submodules"]
+__all__ = [
+    "Capture",
+    "CapturePath",
+    "ExportedShapes",
+    "GraphCall",
+    "call_shapes",
+    "candidate_units",
+    "capture",
+    "has_hooks",
+    "hooked_submodules",
+]
 
 log = logging.getLogger(__name__)
 
@@ -86,63 +110,116 @@ def _shapes(values: Any) -> tuple[tuple[int, ...] | None, ...]:
     return tuple(tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves)
 
 
+def call_shapes(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[tuple[int, ...] | None, ...]:
+    """The tensor shapes of a call, leaf by leaf (None for a leaf that is not a tensor)."""
+    return _shapes((tuple(args), dict(kwargs)))
+
+
+TensorLayout = tuple[torch.dtype, str, bool]
+"""A tensor's dtype, device type and whether it is contiguous: what an export specialises besides
+shapes (it asserts dtypes, places new tensors on the example's device, traces views for its strides)."""
+
+
+def _layouts(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[TensorLayout | None, ...]:
+    """The layout of each tensor of a call (None for a leaf that is not a tensor)."""
+    leaves, _ = tree_flatten((tuple(args), dict(kwargs)))
+    return tuple(
+        (leaf.dtype, leaf.device.type, leaf.is_contiguous()) if isinstance(leaf, torch.Tensor) else None
+        for leaf in leaves
+    )
+
+
+@dataclass(frozen=True)
+class ExportedShapes:
+    """What a graph exported with dynamic dimensions accepts: its input placeholders (whose values
+    carry symbolic shapes), each symbol's range, and export's guards relating them."""
+
+    placeholders: tuple[fx.Node, ...]
+    range_constraints: Mapping[Any, Any]
+    guards: Callable[..., Any] | None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ExportedShapes:
+        """Shared, not copied: it describes shapes and holds no model state (its placeholders' values
+        are fake tensors, which cannot be copied), so a copy of a planned module uses it as it is."""
+        return self
+
+    def admit(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+        leaves_with_path, _ = tree_flatten_with_path((tuple(args), dict(kwargs)))
+        try:
+            # export's own check of an unlifted module's inputs against its symbols' ranges
+            _check_input_constraints_for_graph(
+                list(self.placeholders), leaves_with_path, self.range_constraints
+            )
+            if self.guards is not None:
+                self.guards(*(leaf for _, leaf in leaves_with_path))
+        except (AssertionError, RuntimeError) as violated:
+            log.debug("outside the exported graph's shapes: %s", violated)
+            return False
+        return True
+
+
 @dataclass(frozen=True)
 class GraphCall:
     """Maps a call of the model, `model(*args, **kwargs)`, onto the captured graph's inputs.
 
     With `example_spec` None (FX), the graph takes the bound arguments in signature order, defaults
     filled in, so every call that binds to the forward's signature works. Otherwise (export) the graph
-    takes the flat leaves of `(args, kwargs)`, and a call must have the example's structure and tensor
-    shapes.
+    takes the flat leaves of `(args, kwargs)`, and a call must have the example's structure. Which
+    shapes a graph admits: see NOTE [other shapes].
     """
 
     signature: inspect.Signature
     example_spec: TreeSpec | None = None
     example_shapes: tuple[tuple[int, ...] | None, ...] = ()
+    example_layouts: tuple[TensorLayout | None, ...] = ()
+    """The example's tensors' dtypes, devices and contiguity, which an export specialises."""
+    exported_shapes: ExportedShapes | None = None
+    """The ranges and guards of an export with dynamic dimensions; None: the example's shapes only."""
     pinned_shapes: tuple[tuple[int, ...] | None, ...] | None = None
     """FX graphs with an exported submodule inlined (NOTE [exported submodules]) run only at the
-    example's tensor shapes: the bound arguments' shapes, checked on every call."""
+    example's tensor shapes: the bound arguments' shapes."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphCall:
+        """Shared, not copied: a description of calls that holds no model state."""
+        return self
+
+    def admits(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+        """True when the captured graph can run this call (see NOTE [other shapes])."""
+        if self.example_spec is None:
+            return self.pinned_shapes is None or _shapes(self._bound(args, kwargs)) == self.pinned_shapes
+        args, kwargs = tuple(args), self._ordered(kwargs)
+        _, spec = tree_flatten((args, kwargs))
+        if spec != self.example_spec or _layouts(args, kwargs) != self.example_layouts:
+            return False
+        if self.exported_shapes is None:
+            return call_shapes(args, kwargs) == self.example_shapes
+        return self.exported_shapes.admit(args, kwargs)
 
     def graph_arguments(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The (args, kwargs) to call the captured GraphModule with for this call of the model."""
+        """The (args, kwargs) to call the captured GraphModule with, for a call it `admits`."""
         if self.example_spec is None:
             return self._bound(args, kwargs), {}
-        self._check(args, kwargs)
         return tuple(args), dict(kwargs)
 
     def graph_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
         """The placeholder values of the captured graph (what an fx.Interpreter over it takes)."""
         if self.example_spec is None:
             return self._bound(args, kwargs)
-        return tuple(self._check(args, kwargs))
+        leaves, _ = tree_flatten((tuple(args), self._ordered(kwargs)))
+        return tuple(leaves)
 
     def _bound(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        values = tuple(bound.arguments.values())
-        if self.pinned_shapes is not None and _shapes(values) != self.pinned_shapes:
-            raise ValueError(
-                "this planned module runs a submodule captured by torch.export for calls shaped like the "
-                f"example: tensor shapes {self.pinned_shapes}; got {_shapes(values)}. Plan again with an "
-                "example of this call (planner.optimize), or keep batches the same size "
-                "(DataLoader(drop_last=True))."
-            )
-        return values
+        return tuple(bound.arguments.values())
 
-    def _check(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
-        """The flat leaves of the call, after checking that it has the example's structure and shapes."""
-        leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
-        shapes = tuple(tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves)
-        if spec != self.example_spec or shapes != self.example_shapes:
-            raise ValueError(
-                "this planned module was captured by torch.export for calls shaped like its example: "
-                f"structure {self.example_spec}, tensor shapes {self.example_shapes}; got structure {spec}, "
-                f"shapes {shapes}. Plan again with an example of this call (planner.optimize), or keep "
-                "batches the same size (DataLoader(drop_last=True))."
-            )
-        return leaves
+    def _ordered(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Keyword arguments in the forward's parameter order, as the example's structure lists them
+        (a data collator may order a batch's keys otherwise)."""
+        order = {name: index for index, name in enumerate(self.signature.parameters)}
+        return dict(sorted(kwargs.items(), key=lambda item: order.get(item[0], len(order))))
 
 
 @dataclass(frozen=True)
@@ -155,6 +232,16 @@ class Capture:
     call: GraphCall
     inputs: tuple[Any, ...] = ()
     """The example call as the graph takes it (`GraphCall.graph_inputs` of the example)."""
+    exported_modules: tuple[str, ...] = ()
+    """Containers FX could not trace that torch.export captured and the graph inlines."""
+
+    def label(self, split: Collection[str] = ()) -> str:
+        """`path`, saying which opaque modules (or modules kept whole for their hooks) a profile
+        split at their children's calls (NOTE [split calls] in simulate.py)."""
+        if not self.path.startswith(CapturePath.FX):
+            return self.path
+        opaque = [name for name in self.opaque_modules if name not in split]
+        return _fx_path(opaque, list(self.exported_modules), sorted(split))
 
 
 HOOK_DICTS = (
@@ -195,6 +282,38 @@ class _OpaqueTracer(fx.Tracer):
             or has_hooks(module)
             or (super().is_leaf_module(module, qualified_name) and not any(True for _ in module.children()))
         )
+
+
+DOMINANT_SHARE = 0.5
+"""A unit with more than this share of the parameters is split into its children."""
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(parameter.numel() for parameter in module.parameters())
+
+
+def candidate_units(model: nn.Module) -> list[str]:
+    """Qualified names of the submodules of `model` that a plan by submodules may checkpoint one by one:
+    its children, with containers (ModuleList/ModuleDict/Sequential) replaced by their children, and a
+    child holding most of the parameters replaced by its children too (a decoder by its blocks)."""
+    total = max(1, _parameter_count(model))
+    units = [name for name, _ in model.named_children()]
+    changed = True
+    while changed:
+        changed = False
+        expanded: list[str] = []
+        for name in units:
+            module = model.get_submodule(name)
+            children = [f"{name}.{child}" for child, _ in module.named_children()]
+            dominant = _parameter_count(module) > DOMINANT_SHARE * total
+            if children and (isinstance(module, CONTAINERS) or dominant):
+                expanded += children
+                changed = True
+            else:
+                expanded.append(name)
+        units = expanded
+    return units
 
 
 def _failing_module(model: torch.nn.Module, error: BaseException) -> str | None:
@@ -421,14 +540,18 @@ def _capture_fx(
             opaque_modules=tuple(still_opaque),
             call=call,
             inputs=inputs,
+            exported_modules=tuple(exported),
         )
 
 
-def _fx_path(opaque: list[str], exported: list[str]) -> str:
-    """`Capture.path` of an FX capture: which submodules stayed opaque, which torch.export captured."""
+def _fx_path(opaque: list[str], exported: list[str], split: list[str] | None = None) -> str:
+    """`Capture.path` of an FX capture: which submodules torch.export captured, which ones a profile
+    split at their children's calls, which stayed opaque."""
     notes = []
     if exported:
         notes.append(f"exported: {', '.join(exported)}")
+    if split:
+        notes.append(f"planned by children: {', '.join(split)}")
     if opaque:
         notes.append(f"opaque: {', '.join(opaque)}")
     return f"{CapturePath.FX} ({'; '.join(notes)})" if notes else CapturePath.FX
@@ -447,10 +570,75 @@ def _root_hooks_suspended(model: torch.nn.Module) -> Iterator[None]:
             setattr(model, name, hooks)
 
 
+DYNAMIC_DIMENSIONS = 2
+"""The leading dimensions of each tensor input exported as `Dim.AUTO`: batch and sequence (either order).
+The rest (features, channels, image sizes) stay the example's: each dynamic dimension costs export
+symbolic reasoning (a dynamic export of a small GPT-2 takes about three times a static one)."""
+
+
+def _dynamic_shapes(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`Dim.AUTO` for the batch and sequence dimensions of every tensor input: export keeps dynamic
+    what the model lets vary and specialises the rest (a size fixed by a weight, a size of 1)."""
+    bound = signature.bind(*args, **kwargs)
+    return {name: tree_map(_automatic_dimensions, value) for name, value in bound.arguments.items()}
+
+
+def _automatic_dimensions(leaf: Any) -> dict[int, Any] | None:
+    """Dim.AUTO for a tensor's leading dimensions; None for a scalar or a value (an empty dict would be
+    read as a structure of its own)."""
+    if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+        return {dim: Dim.AUTO for dim in range(min(leaf.dim(), DYNAMIC_DIMENSIONS))}
+    return None
+
+
+def _keywords_named(
+    model: torch.nn.Module, signature: inspect.Signature, kwargs: Mapping[str, Any]
+) -> tuple[torch.nn.Module, inspect.Signature]:
+    """The root, or, when the call passes keywords to its `**kwargs` (the Trainer's
+    `num_items_in_batch`), a stand-in whose forward names them: torch.export (2.13) fails on dynamic
+    shapes given for a `**kwargs` parameter. The stand-in shares everything with the model (a shallow
+    copy of another class), so the graph fetches the model's own tensors under the same names."""
+    parameters = list(signature.parameters.values())
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return model, signature
+    named = [p for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    named += [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+        for name in kwargs
+        if name not in signature.parameters
+    ]
+    explicit = signature.replace(parameters=named)
+    model_forward = type(model).forward
+
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return model_forward(self, *args, **kwargs)
+
+    itself = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = explicit.replace(parameters=[itself, *named])  # type: ignore[attr-defined]
+    stand_in = copy.copy(model)
+    stand_in.__class__ = type(type(model).__name__, (type(model),), {"forward": forward})
+    return stand_in, explicit
+
+
+def _export_root(
+    model: torch.nn.Module, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, bool]:
+    """The exported program of the root's forward and whether its dimensions are dynamic: dynamic
+    where export manages, else specialised to the example's shapes."""
+    with quiet_export(), _root_hooks_suspended(model):
+        try:
+            root, explicit = _keywords_named(model, signature, kwargs)
+            dynamic_shapes = _dynamic_shapes(explicit, args, kwargs)
+            return torch.export.export(root, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes), True
+        except Exception as error:  # noqa: BLE001 - a static export may still work
+            log.info("torch.export with dynamic shapes failed (%s); exporting the example's shapes", error)
+        return torch.export.export(model, args, kwargs, strict=False), False
+
+
 def _capture_export(
     model: torch.nn.Module, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Capture:
-    """Capture with torch.export (non-strict, training IR), specialised to the example call."""
+    """Capture with torch.export (non-strict, training IR), with dynamic dimensions where it can."""
     hooked = hooked_submodules(model)
     if hooked:
         raise UnsupportedModel(
@@ -458,9 +646,10 @@ def _capture_export(
             "never in training (see NOTE [hooks] in planner/capture.py; remove the hooks while planning "
             "or make the forward traceable by torch.fx, which calls hooked submodules)"
         )
+    call = GraphCall(signature=signature)
+    kwargs = call._ordered(kwargs)  # the graph's flat inputs follow the forward's parameter order
     try:
-        with quiet_export(), _root_hooks_suspended(model):
-            exported = torch.export.export(model, args, kwargs, strict=False)
+        exported, dynamic = _export_root(model, signature, args, kwargs)
     except Exception as error:  # noqa: BLE001 - any export failure is a reason to try a coarser level
         raise UnsupportedModel(
             f"torch.export cannot trace {type(model).__name__}: {_describe(error)} (branch with "
@@ -469,13 +658,23 @@ def _capture_export(
     graph_module = exported.module()
     assert isinstance(graph_module, fx.GraphModule)
     check_shared_state(graph_module, model)
+    guards = getattr(graph_module, EXPORT_GUARDS_MODULE, None)
     drop_export_guards(graph_module)
     _run_out_of_place(graph_module, model)
-    leaves, spec = tree_flatten((args, kwargs))
-    call = GraphCall(
-        signature=signature,
+    _, spec = tree_flatten((args, kwargs))
+    exported_shapes = None
+    if dynamic:
+        exported_shapes = ExportedShapes(
+            placeholders=tuple(graph_module.graph.find_nodes(op="placeholder")),
+            range_constraints=dict(exported.range_constraints),
+            guards=guards,
+        )
+    call = dataclasses.replace(
+        call,
         example_spec=spec,
-        example_shapes=tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in leaves),
+        example_shapes=call_shapes(args, kwargs),
+        example_layouts=_layouts(args, kwargs),
+        exported_shapes=exported_shapes,
     )
     return Capture(
         graph_module=graph_module,
@@ -496,6 +695,18 @@ def _bind_example(
             f"the example inputs do not fit {type(model).__name__}.forward{signature}: {error}. Pass the "
             "forward's positional arguments as example_inputs and its keyword arguments as example_kwargs."
         ) from error
+
+
+def _drop_tracebacks(errors: Sequence[BaseException]) -> None:
+    """Forget the tracebacks of failures that a later level made up for. A traceback holds its frames
+    and their callers', and the exceptions holding it form a cycle with the frame that kept them: until
+    the garbage collector runs, that would keep alive whatever those frames held (a capture inside a
+    training step would keep the step's outputs alive, and the step's peak would grow)."""
+    for error in errors:
+        cause: BaseException | None = error
+        while cause is not None:
+            cause.__traceback__ = None
+            cause = cause.__cause__ or cause.__context__
 
 
 def capture(
@@ -520,9 +731,12 @@ def capture(
         failures.append(error)
     if has_example:
         try:
-            return _capture_export(model, signature, args, kwargs)
+            captured = _capture_export(model, signature, args, kwargs)
         except UnsupportedModel as error:
             failures.append(error)
+        else:
+            _drop_tracebacks(failures)
+            return captured
     reasons = "; ".join(str(failure) for failure in failures)
     untried = "" if has_example else "; torch.export was not tried: it needs example inputs"
     raise UnsupportedModel(f"cannot capture {type(model).__name__}: {reasons}{untried}") from failures[-1]

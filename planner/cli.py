@@ -2,6 +2,7 @@
 
     planner plan MODULE:FACTORY --budget 8GiB [--input-shape 16,128] [--solver auto] [--json plan.json]
     planner pareto zoo:gpt_tiny --plot pareto.png
+    planner capacity zoo:gpt_tiny --device a100-40gb --batch 1..512 [--sequence 64] [--plot capacity.png]
     planner report plan.json
     planner serve
 
@@ -18,6 +19,7 @@ and `import planner.cli` do not need the service's dependencies).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -25,8 +27,8 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -87,9 +89,6 @@ EXIT_BAD_INPUT = 2
 """Bad arguments, an unloadable model or plan file, a model that cannot be captured (typer uses 2 too)."""
 EXIT_INFEASIBLE = 3
 """No checkpoint plan fits the budget; the message says the lowest achievable peak and what dominates."""
-
-UNLIMITED_BYTES = 2**62
-"""Budget of the profiling call: every plan fits it, so profiling never fails on the budget."""
 
 BINARY_UNITS: dict[str, int] = {
     "": 1,
@@ -205,10 +204,8 @@ def _import_module(name: str) -> Any:
     return importlib.import_module(name)
 
 
-def load_target(target: str, input_shapes: list[str]) -> tuple[Any, Any]:
-    """(model, example_inputs) from `zoo:NAME` or `MODULE:FACTORY` (see TargetArgument)."""
-    import torch
-
+def load_factory(target: str) -> Callable[..., Any]:
+    """The function `zoo:NAME` or `MODULE:FACTORY` names (see TargetArgument)."""
     kind, _, name = target.rpartition(":")
     if not kind or not name:
         _fail(f"{target!r} is not MODULE:FACTORY or zoo:NAME")
@@ -217,13 +214,22 @@ def load_target(target: str, input_shapes: list[str]) -> tuple[Any, Any]:
 
         if name not in ZOO:
             _fail(f"no zoo model {name!r}; choose one of {', '.join(ZOO)}")
-        if input_shapes:
-            _fail("zoo models bring their own inputs; drop --input-shape")
-        return build_model(name)
+        return functools.partial(build_model, name)
     try:
-        factory = getattr(_import_module(kind), name)
+        return getattr(_import_module(kind), name)
     except (ImportError, AttributeError) as error:
         _fail(f"cannot load {target!r}: {error}")
+
+
+def load_target(target: str, input_shapes: list[str]) -> tuple[Any, Any]:
+    """(model, example_inputs) from `zoo:NAME` or `MODULE:FACTORY` (see TargetArgument)."""
+    import torch
+
+    factory = load_factory(target)
+    if target.startswith("zoo:"):
+        if input_shapes:
+            _fail("zoo models bring their own inputs; drop --input-shape")
+        return factory()
     made = factory()
     if isinstance(made, torch.nn.Module):
         if not input_shapes:
@@ -245,16 +251,14 @@ def _profile(
     max_grad_norm: float | None,
     quiet: bool,
 ) -> Any:
-    """Load the target and profile one training step: a Plan without checkpointing, with its graph."""
+    """Load the target and profile one training step (`planner.profile`)."""
     import planner
 
     model, inputs = load_target(target, input_shapes)
     with _stage(f"capturing and profiling one training step of {target}", quiet=quiet):
         try:
             step = planner.TrainingStep(accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)
-            return planner.optimize(
-                model, inputs, budget_bytes=UNLIMITED_BYTES, optimizer=optimizer, step=step, solver="none"
-            )
+            return planner.profile(model, inputs, optimizer=optimizer, step=step)
         except (planner.UnsupportedModel, ValueError, TypeError) as error:
             _fail(str(error))
 
@@ -287,7 +291,7 @@ def plan(
     import planner
     from planner.errors import format_bytes
 
-    reference = _profile(
+    profiled = _profile(
         target,
         input_shape or [],
         optimizer,
@@ -297,9 +301,9 @@ def plan(
     )
     with _stage(f"solving for a budget of {format_bytes(budget)} with {solver}", quiet=quiet):
         try:
-            result = planner.plan_graph(reference.graph, budget_bytes=budget, solver=solver)
+            result = profiled.plan(budget_bytes=budget, solver=solver)
         except planner.InfeasibleBudget as error:
-            _infeasible(error, reference.graph)
+            _infeasible(error, profiled.graph)
         except ValueError as error:
             _fail(str(error))
     if json_path is not None:
@@ -329,9 +333,8 @@ def pareto(
     """Peak against recompute over budgets, beside the usual baselines; optionally plotted."""
     from planner import whatif
     from planner.errors import format_bytes
-    from planner.solving import pareto_frontier
 
-    reference = _profile(
+    profiled = _profile(
         target,
         input_shape or [],
         optimizer,
@@ -339,9 +342,12 @@ def pareto(
         max_grad_norm=max_grad_norm,
         quiet=quiet,
     )
-    graph = reference.graph
+    graph = profiled.graph
     with _stage(f"solving at {points} budgets with {solver}", quiet=quiet):
-        frontier = pareto_frontier(graph, points=points, solver=solver)
+        try:
+            frontier = profiled.pareto(points=points, solver=solver)
+        except ValueError as error:
+            _fail(str(error))
     schedules = {
         f"planner at {format_bytes(point.budget_bytes)}": schedule
         for point in frontier.points
@@ -364,7 +370,155 @@ def pareto(
             baselines={row.name: (row.peak_bytes, row.overhead) for row in baselines},
         )
     if not quiet:
-        typer.echo(whatif.render_comparison(rows + baselines, baseline_bytes=reference.baseline_peak_bytes))
+        typer.echo(whatif.render_comparison(rows + baselines, baseline_bytes=frontier.baseline_peak_bytes))
+
+
+def parse_sizes(text: str) -> int | range | tuple[int, ...]:
+    """`1..512` (every size), `8..512:8` (a step), `1,2,4,8` (a list) or `4096` (fixed)."""
+    match = re.fullmatch(r"\s*(\d+)\s*\.\.\s*(\d+)\s*(?::\s*(\d+))?\s*", text)
+    try:
+        if match:
+            first, last, step = int(match.group(1)), int(match.group(2)), int(match.group(3) or 1)
+            sizes: int | range | tuple[int, ...] = range(first, last + 1, step)
+        elif "," in text:
+            sizes = tuple(int(part) for part in text.split(","))
+        else:
+            sizes = int(text)
+    except ValueError:
+        sizes = ()
+    values = [sizes] if isinstance(sizes, int) else list(sizes)
+    if not values or any(value < 1 for value in values):
+        raise typer.BadParameter(f"{text!r}: write 1..512, 8..512:8, 1,2,4,8 or a fixed size like 4096")
+    return sizes
+
+
+SizesOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Sizes to search (1..512, 8..512:8, 1,2,4,8) or one fixed size (4096). Search exactly one "
+        "of --batch and --sequence; FACTORY(batch=..., sequence=...) gets the ones given.",
+        metavar="SIZES",
+    ),
+]
+
+
+def _search_progress(quiet: bool) -> Any:
+    """A progress bar over the graphs a search obtains (rich on stderr), as a context manager that
+    yields the callback `planner.capacity` takes; nothing when quiet."""
+    if quiet:
+        return nullcontext(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+
+    @contextmanager
+    def bar() -> Iterator[Callable[[int, int, str], None]]:
+        with progress:
+            task = progress.add_task("searching sizes", total=None)
+
+            def update(done: int, expected: int, message: str) -> None:
+                progress.update(task, completed=done, total=expected, description=message)
+
+            yield update
+
+    return bar()
+
+
+def _on_meta(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """`factory` run under `torch.device("meta")`: its tensors have shapes and no storage."""
+    import torch
+
+    @functools.wraps(factory)
+    def build(**sizes: int) -> Any:
+        with torch.device("meta"):
+            return factory(**sizes)
+
+    return build
+
+
+@app.command()
+def capacity(
+    target: TargetArgument,
+    batch: SizesOption = None,
+    sequence: SizesOption = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="The card: a100-40gb, a100-80gb, h100-80gb, l40s, rtx4090 (its memory is the budget)."
+        ),
+    ] = None,
+    budget: Annotated[int | None, typer.Option(help=BUDGET_HELP, parser=parse_budget, metavar="SIZE")] = None,
+    optimizer: OptimizerOption = "adam",
+    accumulation_steps: AccumulationOption = 1,
+    max_grad_norm: MaxGradNormOption = None,
+    bf16: Annotated[bool, typer.Option("--bf16", help="Plan the step under bf16 autocast.")] = False,
+    global_batch: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Also weigh checkpointing, accumulation and bf16 for this many samples per step."
+        ),
+    ] = None,
+    cost_model: Annotated[
+        str | None, typer.Option(help="analytic (default with --device) or measured (on this machine).")
+    ] = None,
+    solver: SolverOption = "auto",
+    scan: Annotated[bool, typer.Option("--scan", help="Probe every size instead of bisecting.")] = False,
+    meta: Annotated[
+        bool,
+        typer.Option("--meta", help="Build the model and inputs on the meta device: nothing is allocated."),
+    ] = False,
+    plot: Annotated[
+        Path | None, typer.Option(help="Draw the largest size against 16/24/40/48/80 GiB cards (.png/.svg).")
+    ] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the table here.")] = None,
+    quiet: QuietOption = False,
+) -> None:
+    """The largest batch or sequence that fits a card, with and without checkpointing (exit 3: none)."""
+    import torch
+
+    import planner
+
+    factory = load_factory(target)
+    if meta:
+        factory = _on_meta(factory)
+    batch_sizes = parse_sizes(batch) if batch else None
+    sequence_sizes = parse_sizes(sequence) if sequence else None
+    try:
+        with _search_progress(quiet) as progress:
+            table = planner.capacity(
+                factory,
+                device=device,
+                budget_bytes=budget,
+                optimizer=optimizer,
+                autocast=torch.bfloat16 if bf16 else None,
+                step=planner.TrainingStep(accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm),
+                cost_model=cost_model,
+                solver=solver,
+                global_batch=global_batch,
+                search="scan" if scan else "bisect",
+                progress=progress,
+                batch=batch_sizes,
+                sequence=sequence_sizes,
+            )
+            document = table.to_dict()
+            if plot is not None:
+                table.plot(plot)
+    except (planner.UnsupportedModel, ValueError, TypeError) as error:
+        _fail(str(error))
+    if json_path is not None:
+        json_path.write_text(json.dumps(document, indent=1))
+    if not quiet:
+        typer.echo(table.summary())
+    if table.largest_with is None:
+        raise typer.Exit(EXIT_INFEASIBLE)
 
 
 @app.command()

@@ -1,9 +1,11 @@
 """`PlannerClient`: plan through a planner service, with the same result as `planner.optimize`.
 
-The model never leaves this process: `optimize` captures and profiles it here (as `planner.optimize`
-does), posts only the activation graph (`planner.graph/v1` JSON) to the service, waits for the plan,
-and rewrites the model here with the returned schedule. The service needs no torch; this side does.
-`plan_graph` is the torch-free half: post a graph, get a `Plan` without a module.
+The model never leaves this process: `optimize` profiles it here with `planner.profile` (the same
+capture chain, module level and arguments as `planner.optimize`), posts only the activation graph
+(`planner.graph/v1` JSON) to the service, waits for the plan, and rewrites the model here with the
+returned schedule (`Profile.apply`). `plan_profile` does the last two steps for a profile made
+beforehand. The service needs no torch; this side does. `plan_graph` is the torch-free half: post a
+graph, get a `Plan` without a module.
 
 Network behaviour: every request has a timeout; connection errors, timeouts and 502/503/504 answers
 are retried with exponential backoff (honouring the service's Retry-After), which is safe because
@@ -16,20 +18,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from planner.errors import InfeasibleBudget, ServiceError
-from planner.ir import ActivationGraph, TrainingStep
+from planner.ir import ActivationGraph, TrainingStep, breakdown_from
 from planner.plan import Plan
 from planner.serialize import graph_to_dict, schedule_from_dict
 
 if TYPE_CHECKING:
     import torch
 
+    from planner.cost_model import DeviceSpec
     from planner.measurement import OptimizerSpec
+    from planner.profiling import Profile
 
 __all__ = ["PlannerClient"]
 
@@ -113,42 +117,60 @@ class PlannerClient:
             solve_ms=float(document["solve_ms"]),
         )
 
+    def plan_profile(
+        self,
+        profile: Profile,
+        *,
+        budget_gb: float | None = None,
+        budget_bytes: int | None = None,
+        solver: str = "auto",
+    ) -> Plan:
+        """`profile.plan(...)`, with the solve done by the service: the profile's graph is posted and
+        the model rewritten here with the schedule that comes back."""
+        from planner.profiling import budget_bytes_of
+
+        budget = budget_bytes_of(budget_gb, budget_bytes)
+        return profile.apply(self.plan_graph(profile.graph, budget_bytes=budget, solver=solver))
+
     def optimize(
         self,
         model: torch.nn.Module,
-        example_inputs: Any,
+        example_inputs: Any = (),
         *,
+        example_kwargs: Mapping[str, Any] | None = None,
         budget_gb: float | None = None,
         budget_bytes: int | None = None,
         optimizer: OptimizerSpec = "adam",
         step: TrainingStep | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         solver: str = "auto",
+        cost_model: str = "measured",
+        device: str | DeviceSpec | None = None,
+        world_size: int = 1,
+        sharding: str = "ddp",
     ) -> Plan:
-        """`planner.optimize`, with the solve done by the service; arguments and errors are the same."""
+        """`planner.optimize`, with the solve done by the service: the same arguments, checked the same
+        way before profiling, and the same errors (`InfeasibleBudget` carries the service's lowest
+        achievable peak)."""
         # Imported here so that `plan_graph` works where torch is not installed.
-        import torch
+        from planner.profiling import budget_bytes_of, profile
+        from planner.solvers import check_solver
 
-        from planner.capture import capture
-        from planner.graph_build import build_activation_graph
-        from planner.measurement import default_loss
-        from planner.planning import _budget_bytes, _example_inputs, _training_step
-        from planner.rewrite import guard_gradients, rewrite
-        from planner.simulate import for_training_step
-
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        budget = _budget_bytes(budget_gb, budget_bytes)
-        step = _training_step(step)
-        inputs = _example_inputs(example_inputs)
-        captured = capture(model)
-        graph = build_activation_graph(
-            captured, model, inputs, loss_fn=loss_fn or default_loss, optimizer=optimizer, step=step
+        budget = budget_bytes_of(budget_gb, budget_bytes)
+        check_solver(solver)
+        profiled = profile(
+            model,
+            example_inputs,
+            example_kwargs=example_kwargs,
+            optimizer=optimizer,
+            step=step,
+            loss_fn=loss_fn,
+            cost_model=cost_model,
+            device=device,
+            world_size=world_size,
+            sharding=sharding,
         )
-        graph = for_training_step(graph, step)
-        plan = self.plan_graph(graph, budget_bytes=budget, solver=solver)
-        plan.module = guard_gradients(rewrite(model, captured.graph_module, graph, plan.schedule), step)
-        return plan
+        return self.plan_profile(profiled, budget_bytes=budget, solver=solver)
 
     def _request(self, method: str, path: str, *, json: dict[str, Any] | None = None) -> dict[str, Any]:
         """One API call with retries; the decoded JSON body of a 2xx answer."""
@@ -202,7 +224,7 @@ def _response_error(response: httpx.Response) -> Exception:
         return InfeasibleBudget(
             budget_bytes=int(body["budget_bytes"]),
             min_peak_bytes=int(body["min_peak_bytes"]),
-            breakdown=dict(body.get("breakdown") or {}),
+            breakdown=breakdown_from(body.get("breakdown") or {}),
         )
     return ServiceError(
         f"the planner service answered {response.status_code} to {response.request.method} "
@@ -217,6 +239,6 @@ def _job_error(job: dict[str, Any]) -> Exception:
         return InfeasibleBudget(
             budget_bytes=int(error["budget_bytes"]),
             min_peak_bytes=int(error["min_peak_bytes"]),
-            breakdown=dict(error.get("breakdown") or {}),
+            breakdown=breakdown_from(error.get("breakdown") or {}),
         )
     return ServiceError(f"planner job {job['id']} failed ({error.get('type')}): {error.get('message')}")

@@ -69,6 +69,7 @@ from planner.compiled_graph import (
     retained_storages,
     saved_values,
 )
+from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import InfeasibleBudget, PlannerError, UnsupportedModel, format_bytes
 from planner.ir import StaticBytes, TrainingStep
 from planner.measurement import (
@@ -80,7 +81,6 @@ from planner.measurement import (
     tensors_in,
 )
 from planner.plan import CompiledStep, Plan
-from planner.profile import DeviceSpec, device_spec
 from planner.simulate import for_training_step
 from planner.solving import plan_graph
 from planner.static_memory import optimizer_name, static_bytes

@@ -55,8 +55,8 @@ from torch import fx
 from torch._functorch.partitioners import NodeInfo, OpTypes, get_default_op_list
 from torch.utils.flop_counter import flop_registry
 
+from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
 from planner.ir import ActivationGraph, Node, Schedule, StaticBytes
-from planner.profile import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
 from planner.simulate import held_storages
 
 __all__ = ["CompiledGraph", "LossProfile", "build_compiled_graph", "SEEDS_NODE"]

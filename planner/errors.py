@@ -7,13 +7,16 @@ the next step, so that a caught error can be shown to a person as it is. `Infeas
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from planner.ir import Component
 
 __all__ = [
     "GraphProblem",
     "InfeasibleBudget",
     "InvalidGraph",
+    "LargerShapeWarning",
     "PlannerError",
     "ServiceError",
     "UnplannedStep",
@@ -43,6 +46,11 @@ class UnsupportedModel(PlannerError):
 class UnplannedStep(PlannerError, RuntimeError):
     """A planned module ran a training step its plan did not count (e.g. gradient accumulation with a
     plan for one micro-batch); the message says how to plan that step."""
+
+
+class LargerShapeWarning(UserWarning):
+    """A planned module trained on inputs larger than the example it was planned with: the budget was
+    made for the example, so the message gives the predicted peak at the larger shapes."""
 
 
 @dataclass(frozen=True)
@@ -92,19 +100,19 @@ class InfeasibleBudget(PlannerError, ValueError):
     and `breakdown` (bytes by component at that minimum), and says in its message what dominates.
     """
 
-    def __init__(self, *, budget_bytes: int, min_peak_bytes: int, breakdown: dict[str, int]) -> None:
+    def __init__(self, *, budget_bytes: int, min_peak_bytes: int, breakdown: Mapping[Component, int]) -> None:
         self.budget_bytes = budget_bytes
         self.min_peak_bytes = min_peak_bytes
         self.breakdown = dict(breakdown)
         super().__init__(explain_infeasible(budget_bytes, min_peak_bytes, self.breakdown))
 
 
-def explain_infeasible(budget_bytes: int, min_peak_bytes: int, breakdown: dict[str, int]) -> str:
+def explain_infeasible(budget_bytes: int, min_peak_bytes: int, breakdown: Mapping[Component, int]) -> str:
     """The message of `InfeasibleBudget`: the shortfall and the component that dominates it."""
-    static_keys = ("parameters", "gradients", "optimizer_state", "inputs")
-    static_bytes = sum(breakdown.get(key, 0) for key in static_keys)
+    static = [component for component in Component if component.static and breakdown.get(component, 0) > 0]
+    static_bytes = sum(breakdown[component] for component in static)
     activation_bytes = min_peak_bytes - static_bytes
-    static_names = " + ".join(key.replace("_", " ") for key in static_keys if breakdown.get(key, 0) > 0)
+    static_names = " + ".join(component.label for component in static)
     lines = [
         f"no checkpoint plan fits a budget of {format_bytes(budget_bytes)}: the lowest achievable peak is "
         f"{format_bytes(min_peak_bytes)} ({format_bytes(min_peak_bytes - budget_bytes)} over).",

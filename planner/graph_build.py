@@ -16,19 +16,22 @@ each node, so what remains is what no schedule changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import fx
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import _disable_current_modes
 
+from planner.attention import planned_attention
 from planner.capture import Capture, has_hooks
+from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
 from planner.ir import ActivationGraph, Node, Phase, TrainingStep
 from planner.measurement import (
     LiveStorageTracker,
@@ -36,103 +39,19 @@ from planner.measurement import (
     end_autocast_forward,
     tensors_in,
 )
-from planner.profile import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
-from planner.selective_cost import OperatorCounter, measure_selective_op_overhead_ms
+from planner.profiling_records import RANDOM_FUNCTIONS, RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
+from planner.selective_cost import CheckpointCost, measure_checkpoint_cost, measure_selective_op_overhead_ms
 from planner.simulate import simulate, store_everything
+from planner.split_calls import SplitCall, split_calls, static_split_calls
 from planner.static_memory import constant_bytes, extra_static_tensors, optimizer_name, static_bytes
 
-__all__ = ["build_activation_graph", "LOSS_NODE"]
+__all__ = ["LOSS_NODE", "MeasuredPeaks", "build_activation_graph", "calibrate_workspace"]
 
 LOSS_NODE = "loss"
 TIMING_REPEATS = 3
 """Timed profiling steps after the measuring one; per-node times are their minimums. Timing noise on a
 shared machine only ever adds time (preemption, cache misses from other jobs), so the fastest run is the
 best estimate of a node's own cost; a median of three still carries any noise two runs share."""
-
-RANDOM_MODULES = (torch.nn.modules.dropout._DropoutNd,)
-RANDOM_FUNCTIONS = {
-    torch.nn.functional.dropout,
-    torch.nn.functional.dropout1d,
-    torch.nn.functional.dropout2d,
-    torch.nn.functional.dropout3d,
-    torch.nn.functional.alpha_dropout,
-    torch.bernoulli,
-    torch.rand,
-    torch.randn,
-    torch.rand_like,
-    torch.randn_like,
-}
-
-
-@dataclass
-class _NodeRecord:
-    """What the measuring step learned about one node."""
-
-    name: str
-    op: str
-    module_path: str
-    inputs: tuple[str, ...]
-    creates: list[str] = field(default_factory=list)
-    reads: list[str] = field(default_factory=list)
-    saves: list[str] = field(default_factory=list)
-    saves_anything: bool = False
-    forward_peak_bytes: int = 0
-    backward_peak_bytes: int | None = None
-    unpack_live_bytes: int | None = None
-    """Live bytes when the node's backward first unpacks a saved tensor (where a replay would run)."""
-    parameter_gradient_bytes: int = 0
-    allocated_bytes: int = 0
-    forward_flops: int = 0
-    moved_bytes: int = 0
-    operator_count: int = 1
-    random: bool = False
-    stateful: bool = False
-    in_place: bool = False
-    checkpointable: bool = True
-    mutates: list[str] = field(default_factory=list)
-    """Activation storages among the node's inputs that it wrote in place (their version moved)."""
-
-
-class _ProfilingTracker(LiveStorageTracker):
-    """A storage tracker that also names activation storages and remembers which are new."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.static_keys: set[int] = set()
-        self.names: dict[int, str] = {}
-        self.storage_bytes: dict[str, int] = {}
-        self.new_since_mark: list[weakref.ref[torch.UntypedStorage]] = []
-        self.allocated_since_mark_bytes = 0
-
-    def _register(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        fresh = id(storage) not in self._tracked and storage.nbytes() > 0
-        super()._register(tensor)
-        if fresh:
-            self.new_since_mark.append(weakref.ref(storage))
-            self.allocated_since_mark_bytes += storage.nbytes()
-
-    def name_of(self, tensor: torch.Tensor, *, create: bool) -> str | None:
-        """Name of an activation storage (None for static ones); `create` names a new storage."""
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        if key in self.static_keys or storage.nbytes() == 0:
-            return None
-        if key not in self.names:
-            if not create:
-                return None
-            name = f"s{len(self.storage_bytes)}"
-            self.names[key] = name
-            self.storage_bytes[name] = storage.nbytes()
-            weakref.finalize(storage, self.names.pop, key, None)
-        return self.names[key]
-
-    def fresh_storage_ids(self) -> set[int]:
-        """Storages registered since the last call that are still alive."""
-        alive = {id(storage) for ref in self.new_since_mark if (storage := ref()) is not None}
-        self.new_since_mark = []
-        self.allocated_since_mark_bytes = 0
-        return alive
 
 
 def _describe(node: fx.Node, graph_module: fx.GraphModule) -> tuple[str, str]:
@@ -184,34 +103,50 @@ def _draws_random_numbers(node: fx.Node) -> bool:
 class _ProfilingInterpreter(fx.Interpreter):
     """Runs the graph node by node, attributing memory, saved tensors and grad_fns to FX nodes."""
 
-    def __init__(self, graph_module: fx.GraphModule, tracker: _ProfilingTracker | None) -> None:
+    def __init__(
+        self,
+        graph_module: fx.GraphModule,
+        tracker: ProfilingTracker | None,
+        split_units: Mapping[str, tuple[str, ...]],
+    ) -> None:
         super().__init__(graph_module)
         self.tracker = tracker
-        self.records: dict[str, _NodeRecord] = {}
+        self.split_units = split_units
+        """Per module target whose calls are profiled in parts: its children (NOTE [split calls])."""
+        self.records: dict[str, NodeRecord] = {}
         self.order: list[str] = []
         self.forward_ms: dict[str, float] = {}
         self.grad_fn_owner: dict[int, str] = {}
         self.hooked_grad_fns: list[Any] = []
-        self.current: _NodeRecord | None = None
+        self.current: NodeRecord | None = None
         self.created: set[str] = set()
+        self.saved: list[tuple[NodeRecord, str | None, weakref.ref[torch.Tensor]]] = []
+        """Every save while tracking: its node, its storage's name (None if static) and its holder."""
 
-    def start_node(self, record: _NodeRecord) -> None:
+    def start_node(self, record: NodeRecord) -> None:
         self.records[record.name] = record
         self.order.append(record.name)
         self.current = record
         if self.tracker is not None:
-            self.tracker.fresh_storage_ids()
+            self.tracker.fresh_storages()
             self.tracker.reset_peak()
 
-    def finish_node(self, record: _NodeRecord, args: Any, output: Any) -> None:
+    def finish_node(self, record: NodeRecord, args: Any, output: Any, *, every_new: bool = False) -> None:
+        """Record what the node made and read. It creates the new storages its output holds, or with
+        `every_new` every new storage still alive (a split call's glue: its locals live on)."""
         tracker = self.tracker
         if tracker is not None:
             record.forward_peak_bytes = tracker.peak_bytes
             record.allocated_bytes = tracker.allocated_since_mark_bytes
-            fresh = tracker.fresh_storage_ids()
-            for tensor in tensors_in(output):
-                if id(tensor.untyped_storage()) in fresh:
-                    name = tracker.name_of(tensor, create=True)
+            fresh = {id(storage): storage for storage in tracker.fresh_storages()}
+            made = (
+                list(fresh.values())
+                if every_new
+                else [tensor.untyped_storage() for tensor in tensors_in(output)]
+            )
+            for storage in made:
+                if id(storage) in fresh:
+                    name = tracker.name_of_storage(storage, create=True)
                     if name is not None and name not in self.created:
                         self.created.add(name)
                         record.creates.append(name)
@@ -227,72 +162,81 @@ class _ProfilingInterpreter(fx.Interpreter):
         self.current = None
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        """saved_tensors_hooks pack hook: record the saved tensor, keep it as autograd would."""
-        self.on_pack(tensor)
-        return tensor
+        """saved_tensors_hooks pack hook: record the saved tensor, keep it as autograd would.
 
-    def on_pack(self, tensor: torch.Tensor) -> None:
+        While measuring, autograd keeps a detached alias (same storage), whose lifetime is autograd's
+        hold on the save: a branch of the graph that dies in forward releases it (`drop_released_saves`).
+        An object holding the tensor itself would hold a saved output's grad_fn in a cycle that is
+        never collected."""
         record = self.current
         if record is None or self.tracker is None:
-            return
+            return tensor
+        name = self.on_pack(record, tensor)
+        with _disable_current_modes():  # not an operator of the node: the counters must not see it
+            alias = tensor.detach()
+        self.saved.append((record, name, weakref.ref(alias)))
+        return alias
+
+    def on_pack(self, record: NodeRecord, tensor: torch.Tensor) -> str | None:
+        """Record that `record` saves `tensor`; its activation storage's name (None if static)."""
+        assert self.tracker is not None
         record.saves_anything = True
         name = self.tracker.name_of(tensor, create=True)
         if name is None:
-            return
+            return None
         if name not in record.saves:
             record.saves.append(name)
         if name not in self.created:
             self.created.add(name)
             record.creates.append(name)
+        return name
+
+    def drop_released_saves(self) -> None:
+        """Forget saves that autograd released in forward: those of a branch of the graph that no
+        output depends on (`if y.abs().max() > t:` saves `y` and `y.abs()` until the comparison)."""
+        held: set[tuple[str, str | None]] = set()
+        for record, name, saved in self.saved:
+            if saved() is not None:
+                held.add((record.name, name))
+        for record in self.records.values():
+            record.saves = [name for name in record.saves if (record.name, name) in held]
+            record.saves_anything = record.saves_anything and any(key[0] == record.name for key in held)
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op not in ("call_module", "call_function", "call_method"):
             return super().run_node(n)
-        op, module_path = _describe(n, self.module)  # type: ignore[arg-type]
-        record = _NodeRecord(
-            name=n.name,
-            op=op,
-            module_path=module_path,
-            inputs=tuple(str(a) for a in n.all_input_nodes),
-            **_flags(n, self.module),  # type: ignore[arg-type]
-        )
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         versions = {id(t): t._version for t in tensors_in((args, kwargs))}
-        self.start_node(record)
-        counter = FlopCounterMode(display=False) if self.tracker is not None else None
-        operators = OperatorCounter()
-        started = time.perf_counter()
-        with (
-            counter if counter is not None else nullcontext(),
-            operators if counter is not None else nullcontext(),
-        ):
-            output = getattr(self, n.op)(n.target, args, kwargs)
-        self.forward_ms[n.name] = (time.perf_counter() - started) * 1e3
-        if counter is not None:
-            record.forward_flops = counter.get_total_flops()
-            record.operator_count = max(1, operators.count)
-            record.moved_bytes = _moved_bytes((args, kwargs), output)
-        self.finish_node(record, (args, kwargs), output)
+        meters = Meters(counting=self.tracker is not None)
+        units = self.split_units.get(str(n.target), ()) if n.op == "call_module" else ()
+        with meters:
+            if units:
+                split = SplitCall(self, n, units, meters)
+                output = split.run(args, kwargs)
+                record = split.parts[-1]
+            else:
+                record = self._record(n)
+                self.start_node(record)
+                started = time.perf_counter()
+                output = getattr(self, n.op)(n.target, args, kwargs)
+                self.forward_ms[n.name] = (time.perf_counter() - started) * 1e3
+                meters.charge(record, (args, kwargs), output)
+                self.finish_node(record, (args, kwargs), output)
         if self.tracker is not None:
             written = [t for t in tensors_in((args, kwargs)) if t._version != versions[id(t)]]
             names = (self.tracker.name_of(t, create=False) for t in written)
             record.mutates = list(dict.fromkeys(name for name in names if name is not None))
         return output
 
-
-def _tensor_bytes(value: Any) -> int:
-    """Bytes a node reads or writes: each tensor's own elements, views included."""
-    return sum(t.numel() * t.element_size() for t in tensors_in(value))
-
-
-def _moved_bytes(inputs: Any, output: Any) -> int:
-    """Bytes a node reads and writes; none when every output is a view of an input (a view moves
-    metadata only). Views are recognised by their base, which works on the meta device too."""
-    bases = {id(t._base if t._base is not None else t) for t in tensors_in(inputs)}
-    outputs = tensors_in(output)
-    if outputs and all(t._base is not None and id(t._base) in bases for t in outputs):
-        return 0
-    return _tensor_bytes(inputs) + _tensor_bytes(output)
+    def _record(self, n: fx.Node) -> NodeRecord:
+        op, module_path = _describe(n, self.module)  # type: ignore[arg-type]
+        return NodeRecord(
+            name=n.name,
+            op=op,
+            module_path=module_path,
+            inputs=tuple(str(a) for a in n.all_input_nodes),
+            **_flags(n, self.module),  # type: ignore[arg-type]
+        )
 
 
 @contextmanager
@@ -331,13 +275,13 @@ class _BackwardClock:
         self.current = name
         self.opened_at = time.perf_counter()
 
-    def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def unpack(self, saved: torch.Tensor) -> torch.Tensor:
         """saved_tensors_hooks unpack hook: note the live bytes at the node's first unpack."""
         if self.current is not None and self.tracker is not None:
             record = self.interpreter.records[self.current]
             if record.unpack_live_bytes is None:
                 record.unpack_live_bytes = self.tracker.live_bytes
-        return tensor
+        return saved
 
     def close(self) -> None:
         if self.current is None:
@@ -357,15 +301,16 @@ def _profile_step(
     inputs: tuple[Any, ...],
     loss_fn: Callable[[Any], torch.Tensor],
     targets: list[torch.Tensor],
-    tracker: _ProfilingTracker | None,
+    tracker: ProfilingTracker | None,
+    split_units: Mapping[str, tuple[str, ...]],
 ) -> tuple[_ProfilingInterpreter, _BackwardClock]:
-    interpreter = _ProfilingInterpreter(graph_module, tracker)
+    interpreter = _ProfilingInterpreter(graph_module, tracker, split_units)
     clock = _BackwardClock(interpreter, tracker)
     hooks = []
     with torch.autograd.graph.saved_tensors_hooks(interpreter.pack, clock.unpack):
         output = interpreter.run(*inputs)
         interpreter.env.clear()  # the interpreter keeps the output node's value; the model does not
-        loss_record = _NodeRecord(
+        loss_record = NodeRecord(
             name=LOSS_NODE, op="loss_fn", module_path="", inputs=(), checkpointable=False
         )
         interpreter.start_node(loss_record)
@@ -375,6 +320,7 @@ def _profile_step(
         interpreter.finish_node(loss_record, output, loss)
         del output
         end_autocast_forward()  # see NOTE [autocast] in measurement.py
+    interpreter.drop_released_saves()
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
         raise ValueError(
             "loss_fn must return a scalar tensor that requires grad; got "
@@ -435,19 +381,29 @@ def _to_nodes(
                 stateful=record.stateful,
                 in_place=record.in_place,
                 checkpointable=record.checkpointable,
+                part_of=record.part_of,
             )
         )
     return nodes
 
 
-def _calibrate(graph: ActivationGraph, records: dict[str, _NodeRecord]) -> ActivationGraph:
-    """Set each node's workspace to measured peak minus the simulator's prediction without them."""
+class MeasuredPeaks(Protocol):
+    """What a profiler measured of one node, for `calibrate_workspace`."""
+
+    forward_peak_bytes: int
+    backward_peak_bytes: int | None
+    unpack_live_bytes: int | None
+
+
+def calibrate_workspace(graph: ActivationGraph, measured: Mapping[str, MeasuredPeaks]) -> ActivationGraph:
+    """Set each node's workspace to measured peak minus the simulator's prediction without them
+    (NOTE [measured residuals] in ir.py); `measured` is keyed by node name."""
     trace = simulate(graph, store_everything(graph)).trace
     forward_predicted = {step.node: step.live_bytes for step in trace if step.phase is Phase.FORWARD}
     backward_predicted = {step.node: step.live_bytes for step in trace if step.phase is Phase.BACKWARD}
     calibrated = []
     for node in graph.nodes:
-        record = records[node.name]
+        record = measured[node.name]
         forward_workspace = max(0, record.forward_peak_bytes - forward_predicted[node.name])
         backward_workspace = 0
         if record.backward_peak_bytes is not None:
@@ -482,7 +438,7 @@ def build_activation_graph(
     """Profile one training step of `captured` and return its activation graph (model left unchanged).
 
     `cost_model="measured"` times each node in repeated profiling steps on the model's device;
-    `"analytic"` prices it by FLOPs and bytes on `device` (see profile.py) and needs no timing run,
+    `"analytic"` prices it by FLOPs and bytes on `device` (see cost_model.py) and needs no timing run,
     which is the only choice for a model on the meta device. The graph describes one micro-batch that
     starts with no gradient; its static bytes include the end of `step` (clipping, unscaling, the
     optimizer step), and `simulate.for_training_step` applies the rest of `step`.
@@ -496,17 +452,18 @@ def build_activation_graph(
             "checkpointing only matters for training steps"
         )
     with preserved_state(model):
-        tracker = _ProfilingTracker()
+        split = static_split_calls(graph_module, inputs, split_calls(captured))
+        tracker = ProfilingTracker()
         static_tensors = [*model.parameters(), *model.buffers(), *tensors_in(inputs)]
         static_tensors += extra_static_tensors(graph_module)
         tracker.track(static_tensors)
         tracker.static_keys = {id(t.untyped_storage()) for t in static_tensors}
-        with tracker:
-            interpreter, _ = _profile_step(graph_module, inputs, loss_fn, targets, tracker)
+        with tracker, _attention_on_meta(model, inputs, spec):
+            interpreter, _ = _profile_step(graph_module, inputs, loss_fn, targets, tracker, split)
         _forbid_replaying_mutated_inputs(interpreter)
         if spec is None:
             forward_ms, backward_ms = _measured_times(
-                graph_module, inputs, loss_fn, targets, interpreter.order
+                graph_module, inputs, loss_fn, targets, interpreter.order, split
             )
     if spec is not None:
         forward_ms = {
@@ -527,17 +484,43 @@ def build_activation_graph(
         static, buffer_bytes=static.buffer_bytes + constant_bytes(graph_module, model)
     )
     optimizer_label = optimizer_name(optimizer)
+    checkpoint_cost = _checkpoint_cost(model, inputs, spec)
     profiled = ActivationGraph(
         nodes=tuple(_to_nodes(interpreter, forward_ms, backward_ms)),
         storage_bytes=dict(tracker.storage_bytes),
         static=dataclasses.replace(static, optimizer_state_bytes=0),
-        capture=captured.path,
+        capture=captured.label(split),
         optimizer=optimizer_label,
         timing="measured" if spec is None else f"analytic ({spec.name})",
         selective_op_overhead_ms=_selective_op_overhead_ms(model, inputs, spec),
+        checkpoint_call_ms=checkpoint_cost.call_ms,
+        checkpoint_op_ms=checkpoint_cost.per_operator_ms,
     )
-    calibrated = _calibrate(profiled, interpreter.records)
+    calibrated = calibrate_workspace(profiled, interpreter.records)
     return dataclasses.replace(calibrated, static=static)
+
+
+def _checkpoint_cost(
+    model: torch.nn.Module, inputs: tuple[Any, ...], spec: DeviceSpec | None
+) -> CheckpointCost:
+    """The spec's estimates for analytic times, else measured on the device of the model's tensors."""
+    if spec is not None:
+        return CheckpointCost(call_ms=spec.checkpoint_call_ms, per_operator_ms=spec.checkpoint_op_ms)
+    return measure_checkpoint_cost(_device_of(model, inputs))
+
+
+def _device_of(model: torch.nn.Module, inputs: tuple[Any, ...]) -> torch.device:
+    tensors = [*model.parameters(), *tensors_in(inputs)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _attention_on_meta(
+    model: torch.nn.Module, inputs: tuple[Any, ...], spec: DeviceSpec | None
+) -> contextlib.AbstractContextManager[Any]:
+    """On the meta device, attention runs the kernel `spec`'s device would (attention.py)."""
+    if spec is None or not any(t.is_meta for t in [*model.parameters(), *tensors_in(inputs)]):
+        return nullcontext()
+    return planned_attention(spec)
 
 
 def _selective_op_overhead_ms(
@@ -546,8 +529,7 @@ def _selective_op_overhead_ms(
     """The spec's estimate for analytic times, else measured on the device of the model's tensors."""
     if spec is not None:
         return spec.selective_op_overhead_ms
-    tensors = [*model.parameters(), *tensors_in(inputs)]
-    return measure_selective_op_overhead_ms(tensors[0].device if tensors else torch.device("cpu"))
+    return measure_selective_op_overhead_ms(_device_of(model, inputs))
 
 
 def _forbid_replaying_mutated_inputs(interpreter: _ProfilingInterpreter) -> None:
@@ -595,11 +577,12 @@ def _measured_times(
     loss_fn: Callable[[Any], torch.Tensor],
     targets: list[torch.Tensor],
     order: list[str],
+    split_units: Mapping[str, tuple[str, ...]],
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Fastest per-node forward and backward times of `TIMING_REPEATS` untracked profiling steps."""
     forward_runs, backward_runs = [], []
     for _ in range(TIMING_REPEATS):
-        timed, clock = _profile_step(graph_module, inputs, loss_fn, targets, None)
+        timed, clock = _profile_step(graph_module, inputs, loss_fn, targets, None, split_units)
         forward_runs.append(timed.forward_ms)
         backward_runs.append(clock.backward_ms)
     forward_ms = {name: min(run.get(name, 0.0) for run in forward_runs) for name in order}

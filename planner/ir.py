@@ -16,13 +16,16 @@ them to the activation memory that a schedule does change (see simulate.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 import networkx as nx
 
 __all__ = [
+    "Component",
+    "GLUE_OP",
     "GRAPH_SCHEMA",
     "PLAN_SCHEMA",
     "ActivationGraph",
@@ -35,6 +38,9 @@ __all__ = [
     "StaticBytes",
     "TraceStep",
     "TrainingStep",
+    "breakdown_from",
+    "breakdown_to_json",
+    "merge_stored",
 ]
 
 GRAPH_SCHEMA = "planner.graph/v1"
@@ -86,6 +92,17 @@ class Node:
     stateful: bool = False
     in_place: bool = False
     checkpointable: bool = True
+    part_of: str = ""
+    """The captured call this node is a part of, when that call runs as Python code the capture could
+    not follow (an opaque module, split at its children's calls while profiling): the call's own code
+    between child calls (op `GLUE_OP`) or one child call. Empty for every other node. A checkpointed
+    region holds all the parts of such a call or exactly one child call (NOTE [split calls] in
+    simulate.py)."""
+
+
+GLUE_OP = "glue"
+"""`Node.op` of a split call's own code between its children's calls (and of a module-level graph's
+root code between its units)."""
 
 
 @dataclass(frozen=True)
@@ -194,10 +211,18 @@ class ActivationGraph:
     optimizer: str
     timing: str = "measured"
     """Where per-node times come from: "measured" (profiling steps on the model's device) or
-    "analytic (<device>)" (FLOPs and bytes on a roofline, see profile.py)."""
+    "analytic (<device>)" (FLOPs and bytes on a roofline, see cost_model.py)."""
     selective_op_overhead_ms: float = 0.0
     """Time a selective checkpoint policy adds per dispatched operator of a region that keeps nodes
     (forward and replay together; see selective_cost.py)."""
+    checkpoint_call_ms: float = 0.0
+    """Time one checkpointed region adds beyond replaying its forward, once per region:
+    `torch.utils.checkpoint`'s own work (RNG state saved and restored, the replay's set-up), forward and
+    backward together (see selective_cost.py). It is why ten small regions cost more than one region
+    of the same recompute."""
+    checkpoint_op_ms: float = 0.0
+    """Time a checkpointed region adds per operator of its nodes (`Node.operator_count`): checkpoint's
+    Python hooks on every tensor the region saves, in forward and backward."""
     step: TrainingStep = TrainingStep()
     """The training step the graph's accounting describes (see `for_training_step` in simulate.py)."""
 
@@ -246,6 +271,18 @@ class Region:
     keep: tuple[int, ...] = ()
 
 
+def merge_stored(regions: Iterable[Region]) -> tuple[Region, ...]:
+    """`regions` in order, adjacent STORE regions made one: a stored region's extent changes neither
+    memory nor time, and fewer regions make fewer submodules in the rewritten model."""
+    merged: list[Region] = []
+    for region in regions:
+        if merged and merged[-1].policy is RegionPolicy.STORE and region.policy is RegionPolicy.STORE:
+            merged[-1] = Region(merged[-1].start, region.stop, RegionPolicy.STORE)
+        else:
+            merged.append(region)
+    return tuple(merged)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """A partition of the nodes into consecutive regions, as produced by a solver."""
@@ -278,6 +315,53 @@ class Phase(Enum):
         return self in (Phase.UNSCALE, Phase.CLIP, Phase.OPTIMIZER)
 
 
+class Component(StrEnum):
+    """What the bytes live at a moment of the step are, in the order reports list them. A breakdown is
+    a `dict[Component, int]`; members are their string values, so it serialises as plain JSON."""
+
+    PARAMETERS = "parameters"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    INPUTS = "inputs"
+    BUFFERS = "buffers"
+    ACTIVATIONS = "activations"
+    RECOMPUTE = "recompute"
+    WORKSPACE = "workspace"
+
+    @property
+    def label(self) -> str:
+        """The words a report uses for it."""
+        return _COMPONENT_LABELS.get(self, self.value.replace("_", " "))
+
+    @property
+    def static(self) -> bool:
+        """Whether no checkpoint plan changes it (parameters, gradients, optimizer state, inputs, buffers)."""
+        return self in _STATIC_COMPONENTS
+
+
+def breakdown_from(raw: Mapping[str, int]) -> dict[Component, int]:
+    """A breakdown read from JSON (string keys); components this version does not know are left out."""
+    known = {component.value for component in Component}
+    return {Component(key): int(size) for key, size in raw.items() if key in known}
+
+
+def breakdown_to_json(breakdown: Mapping[Component, int]) -> dict[str, int]:
+    """A breakdown with plain string keys, as JSON and pydantic models hold it."""
+    return {component.value: size for component, size in breakdown.items()}
+
+
+_COMPONENT_LABELS = {Component.ACTIVATIONS: "kept activations", Component.RECOMPUTE: "recompute peak"}
+_STATIC_COMPONENTS = frozenset(
+    {
+        Component.PARAMETERS,
+        Component.GRADIENTS,
+        Component.OPTIMIZER_STATE,
+        Component.INPUTS,
+        Component.BUFFERS,
+    }
+)
+
+
 @dataclass(frozen=True)
 class TraceStep:
     """Live bytes at one point of the simulated step, for readable failures and timeline plots."""
@@ -297,8 +381,8 @@ class SimulationResult:
     peak_node: str
     recompute_ms: float
     step_ms: float
-    breakdown: dict[str, int]
-    """Bytes by component at the peak: parameters, gradients, optimizer_state, inputs, activations, ..."""
+    breakdown: dict[Component, int]
+    """Bytes by component at the peak."""
     peak_micro_batch: str = ""
     """Which micro-batch sets a forward/backward peak, in words ("the second micro-batch's, with all
     gradients alive"); empty for a single micro-batch with gradients set to None, and after backward."""

@@ -2,13 +2,13 @@
 
 Every figure a Plan reports is a prediction of the simulator, labelled as such; `planner.measure`
 gives the measured counterpart. A Plan round-trips through JSON (`planner.plan/v1`) without torch;
-a plan loaded from JSON has no module until `apply` rewrites a model with it.
+a plan loaded from JSON has no module (`planner.profile(model, ...).apply(plan)` gives it one, for a
+plan solved on that profile's graph).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from planner.plots import MeasuredSeries
+    from planner.profiling import Profile
 
 __all__ = ["CompiledStep", "Plan", "RegionSummary"]
 
@@ -67,9 +68,9 @@ class Plan:
     min_peak_bytes: int
     solve_ms: float = 0.0
     module: torch.nn.Module | None = field(default=None, repr=False)
-    rewriter: Callable[[Schedule], torch.nn.Module] | None = field(default=None, repr=False, compare=False)
-    """Rewrites the planned model for another schedule of `graph` (set by `optimize`; None for a plan
-    loaded from JSON or made by submodules). `replan` uses it."""
+    profile: Profile | None = field(default=None, repr=False, compare=False)
+    """The profiled training step this plan was solved on (set by `optimize` and `Profile.plan`; None
+    for a plan loaded from JSON). `replan` solves it again."""
     compiled: CompiledStep | None = None
     """What `optimize(..., compile=True)` found compiling the plan (None for an eager plan)."""
     simulation: SimulationResult = field(init=False, repr=False)
@@ -84,9 +85,27 @@ class Plan:
     ) -> Plan:
         """The same model at another budget or with another solver, from this plan's captured and
         profiled graph: no new profiling, so both plans' predictions rest on the same node times."""
-        from planner.planning import replan
+        if self.profile is None:
+            raise ValueError(
+                "this plan has no model to rewrite (it was loaded from JSON); call "
+                "planner.profile(model, ...).plan(...) or planner.optimize(model, ...) with the new budget "
+                "or solver instead"
+            )
+        return self.profile.plan(budget_gb=budget_gb, budget_bytes=budget_bytes, solver=solver)
 
-        return replan(self, budget_gb=budget_gb, budget_bytes=budget_bytes, solver=solver)
+    def predicted_peak_bytes_for(self, *inputs: Any, **kwargs: Any) -> int:
+        """Predicted peak of the training step when each micro-batch is `model(*inputs, **kwargs)`:
+        "what will this batch size or sequence length cost". The model's graph is built at those
+        shapes on the meta device (nothing of the model's size is allocated, no step runs) and this
+        plan's regions are carried over to it. The budget holds for the example the plan was made
+        with and for every smaller call. Raises ValueError for a plan loaded from JSON, and
+        `UnsupportedModel` for a model whose forward needs tensor values to run."""
+        if self.profile is None:
+            raise ValueError(
+                "this plan has no model (it was loaded from JSON); predict with the plan planner.optimize "
+                "returns, or planner.profile(model, ...).apply(plan)"
+            )
+        return self.profile.predicted_peak_bytes(self.schedule, inputs, kwargs)
 
     @property
     def predicted_peak_bytes(self) -> int:

@@ -1,6 +1,6 @@
 """Pictures of a plan: memory over the training step, and the peak-versus-overhead frontier.
 
-Why it exists: the seed threads' question was "why did memory not drop?", and one picture of live
+Why it exists: the question users ask is "why did memory not drop?", and one picture of live
 memory across forward, backward and the optimizer step answers it faster than a table: where the
 peak sits, what the plan removed, what the static state (parameters, optimizer state) leaves
 untouched. The frontier plot shows what each extra percent of recompute buys against the budget and
@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MeasuredSeries",
+    "capacity_figure",
     "pareto_figure",
+    "plot_capacity",
     "plot_pareto",
     "plot_timeline",
     "timeline_figure",
@@ -344,6 +346,69 @@ def plot_pareto(
     target = _target(path)
     figure = pareto_figure(points, budget_bytes=budget_bytes, baselines=baselines, chosen=chosen)
     return _save(figure, target)
+
+
+def _bar_label(value: int | None, top: int) -> str:
+    if value is None:
+        return "none"
+    return f"≥{value}" if value >= top else str(value)
+
+
+def capacity_figure(
+    points: Sequence[tuple[int, int | None, int | None]], *, dimension: str, top: int, title: str
+) -> Figure:
+    """The largest size that fits against card memory, without and with checkpointing.
+
+    `points` are (card memory in bytes, largest size without, largest size with checkpointing), None
+    where not even the smallest size fits; a size equal to `top`, the largest searched, may be an
+    underestimate and is labelled ">=".
+    """
+    if not points:
+        raise ValueError("a capacity plot needs at least one (memory_bytes, without, with) point, got none")
+    figure = _new_figure(7.5, 4.6)
+    axes = figure.subplots()
+    positions = list(range(len(points)))
+    width = 0.38
+    series = (
+        ("without checkpointing", 1, "#d95f02", -width / 2),
+        ("with the planner's checkpointing", 2, "#1b9e77", width / 2),
+    )
+    for label, column, colour, offset in series:
+        values = [point[column] for point in points]
+        heights = [value or 0 for value in values]
+        bars = axes.bar([x + offset for x in positions], heights, width, color=colour, label=label, zorder=3)
+        for bar, value in zip(bars, values, strict=True):
+            axes.annotate(
+                _bar_label(value, top),
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
+    axes.set_xticks(positions, [f"{memory / 2**30:g} GiB" for memory, _, _ in points])
+    tallest = max([value or 0 for _, *values in points for value in values] + [1])
+    axes.set_ylim(0, tallest * 1.18)
+    axes.set_xlabel("card memory (the whole training step's budget)")
+    axes.set_ylabel(f"largest {dimension} that fits (predicted)")
+    axes.set_title(title, fontsize=11)
+    axes.legend(fontsize=8, framealpha=0.9, loc="upper left")
+    axes.grid(axis="y", alpha=0.3, zorder=0)
+    return figure
+
+
+def plot_capacity(
+    points: Sequence[tuple[int, int | None, int | None]],
+    path: str | Path,
+    *,
+    dimension: str,
+    top: int,
+    title: str,
+) -> Path:
+    """Save `capacity_figure(points, ...)` to `path` (.png, .svg or .pdf); returns the path."""
+    target = _target(path)
+    return _save(capacity_figure(points, dimension=dimension, top=top, title=title), target)
 
 
 def _target(path: str | Path) -> Path:

@@ -1,6 +1,6 @@
 """The plan's report (`Plan.summary()`) and the levers to pull when checkpointing cannot help.
 
-Why it exists: the people in the seed threads could not tell *why* memory did not drop. A bare
+Why it exists: people who checkpoint by hand cannot tell *why* memory did not drop. A bare
 "predicted peak" does not tell them; what does is which phase of the step sets the peak, what is alive
 at that moment, and how much of it any checkpoint plan can touch. When the answer is "none of it"
 (the optimizer step sets the peak, or the lowest achievable peak is the no-checkpointing peak), the
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from planner.errors import format_bytes
-from planner.ir import ActivationGraph, Phase, Schedule, SimulationResult
+from planner.ir import ActivationGraph, Component, Phase, Schedule, SimulationResult
 from planner.naming import describe_region, display_module
 from planner.simulate import selective_overhead_ms, simulate, store_everything
 from planner.solvers import lowest_peak
@@ -56,22 +56,13 @@ CANNOT_HELP_FRACTION = 0.05
 FORWARD_BACKWARD = "forward/backward"
 OPTIMIZER_STEP = "optimizer step"
 
-COMPONENT_LABELS: dict[str, str] = {
-    "parameters": "parameters",
-    "gradients": "gradients",
-    "optimizer_state": "optimizer state",
-    "inputs": "inputs",
-    "buffers": "buffers",
-    "activations": "kept activations",
-    "recompute": "recompute peak",
-    "workspace": "workspace",
-}
+COMPONENT_LABELS: dict[Component, str] = {component: component.label for component in Component}
 """Simulator breakdown keys, in report order, with the words the report uses."""
 
 REPORT_WIDTH = 104
 """Prose lines of the report wrap here, so it reads in a terminal and in a README code block."""
 
-STATIC_COMPONENTS = ("parameters", "gradients", "optimizer_state", "inputs", "buffers")
+STATIC_COMPONENTS = tuple(component for component in Component if component.static)
 
 
 @dataclass(frozen=True)
@@ -84,8 +75,8 @@ class LeverRule:
 
     name: str
     assumption: str
-    forward_backward: Mapping[str, float]
-    optimizer_step: Mapping[str, float]
+    forward_backward: Mapping[Component, float]
+    optimizer_step: Mapping[Component, float]
     optimizers: tuple[str, ...] = ()
     """Optimizer names (lower case prefixes) the lever applies to; empty means any."""
     keeps_gradients: bool = False
@@ -101,47 +92,50 @@ LEVER_RULES: tuple[LeverRule, ...] = (
         name="bf16 autocast",
         assumption="saved activations halve (matmul/conv inputs kept in bf16); fp32 weights, "
         "gradients and optimizer state unchanged",
-        forward_backward={"activations": 0.5, "recompute": 0.5},
+        forward_backward={Component.ACTIVATIONS: 0.5, Component.RECOMPUTE: 0.5},
         optimizer_step={},
     ),
     LeverRule(
         name="8-bit Adam (e.g. bitsandbytes)",
         assumption="two 1-byte states per parameter instead of two fp32",
-        forward_backward={"optimizer_state": 0.25},
-        optimizer_step={"optimizer_state": 0.25},
+        forward_backward={Component.OPTIMIZER_STATE: 0.25},
+        optimizer_step={Component.OPTIMIZER_STATE: 0.25},
         optimizers=("adam",),
     ),
     LeverRule(
         name="SGD with momentum",
         assumption="one fp32 state per parameter instead of two",
-        forward_backward={"optimizer_state": 0.5},
-        optimizer_step={"optimizer_state": 0.5},
+        forward_backward={Component.OPTIMIZER_STATE: 0.5},
+        optimizer_step={Component.OPTIMIZER_STATE: 0.5},
         optimizers=("adam",),
     ),
     LeverRule(
         name="SGD without momentum",
         assumption="no optimizer state",
-        forward_backward={"optimizer_state": 0.0},
-        optimizer_step={"optimizer_state": 0.0},
+        forward_backward={Component.OPTIMIZER_STATE: 0.0},
+        optimizer_step={Component.OPTIMIZER_STATE: 0.0},
         optimizers=("sgd-momentum",),
     ),
     LeverRule(
         name=f"sharding over {SHARDING_DEVICES} devices (FSDP/ZeRO-3)",
         assumption=f"parameters, gradients, optimizer state and its step split {SHARDING_DEVICES} ways; "
         "ignores the gathered layer's transient",
-        forward_backward={
-            key: 1 / SHARDING_DEVICES for key in ("parameters", "gradients", "optimizer_state")
-        },
-        optimizer_step={
-            key: 1 / SHARDING_DEVICES for key in ("parameters", "gradients", "optimizer_state", "workspace")
-        },
+        forward_backward=dict.fromkeys(
+            (Component.PARAMETERS, Component.GRADIENTS, Component.OPTIMIZER_STATE), 1 / SHARDING_DEVICES
+        ),
+        optimizer_step=dict.fromkeys(
+            (Component.PARAMETERS, Component.GRADIENTS, Component.OPTIMIZER_STATE, Component.WORKSPACE),
+            1 / SHARDING_DEVICES,
+        ),
     ),
     LeverRule(
         name="half the batch (2 accumulation steps)",
         assumption="inputs, activations and their temporaries scale with the batch; every gradient is "
         "alive from the second micro-batch on",
-        forward_backward={"inputs": 0.5, "activations": 0.5, "recompute": 0.5, "workspace": 0.5},
-        optimizer_step={"inputs": 0.5},
+        forward_backward=dict.fromkeys(
+            (Component.INPUTS, Component.ACTIVATIONS, Component.RECOMPUTE, Component.WORKSPACE), 0.5
+        ),
+        optimizer_step={Component.INPUTS: 0.5},
         keeps_gradients=True,
     ),
 )
@@ -196,7 +190,7 @@ def _timing_note(timing: str) -> str:
     return f"per-node times {timing}: FLOPs and bytes on a roofline, not measured"
 
 
-def peak_components(graph: ActivationGraph, schedule: Schedule) -> dict[str, dict[str, int]]:
+def peak_components(graph: ActivationGraph, schedule: Schedule) -> dict[str, dict[Component, int]]:
     """Bytes by component at the forward/backward peak and at the optimizer step, under `schedule`."""
     # Only forward and backward: no optimizer step, and no unscaling or clipping after backward.
     forward_backward_only = dataclasses.replace(graph.step, max_grad_norm=None, grad_scaler=False)
@@ -207,12 +201,12 @@ def peak_components(graph: ActivationGraph, schedule: Schedule) -> dict[str, dic
     if graph.optimizer != "none":
         static = graph.static
         components[OPTIMIZER_STEP] = {
-            "parameters": static.parameter_bytes,
-            "buffers": static.buffer_bytes,
-            "inputs": static.input_bytes,
-            "optimizer_state": static.optimizer_state_bytes,
-            "gradients": static.gradient_bytes,
-            "workspace": static.optimizer_step_workspace_bytes,
+            Component.PARAMETERS: static.parameter_bytes,
+            Component.BUFFERS: static.buffer_bytes,
+            Component.INPUTS: static.input_bytes,
+            Component.OPTIMIZER_STATE: static.optimizer_state_bytes,
+            Component.GRADIENTS: static.gradient_bytes,
+            Component.WORKSPACE: static.optimizer_step_workspace_bytes,
         }
     return components
 
@@ -222,7 +216,7 @@ def _applies(rule: LeverRule, optimizer: str) -> bool:
 
 
 def estimate_levers(
-    components: Mapping[str, Mapping[str, int]], *, optimizer: str, gradient_bytes: int = 0
+    components: Mapping[str, Mapping[Component, int]], *, optimizer: str, gradient_bytes: int = 0
 ) -> list[Lever]:
     """Each applicable lever's estimated peak, from the components of each candidate peak.
 
@@ -241,7 +235,7 @@ def estimate_levers(
         for phase, parts in components.items():
             factors = rule.optimizer_step if phase == OPTIMIZER_STEP else rule.forward_backward
             if rule.keeps_gradients and phase != OPTIMIZER_STEP:
-                parts = {**parts, "gradients": max(parts.get("gradients", 0), gradient_bytes)}
+                parts = {**parts, Component.GRADIENTS: max(parts.get(Component.GRADIENTS, 0), gradient_bytes)}
             scaled = sum(round(size * factors.get(key, 1.0)) for key, size in parts.items())
             estimated_bytes = max(estimated_bytes, scaled)
         levers.append(
@@ -329,7 +323,7 @@ def cannot_help_reason(plan: Plan) -> str | None:
     if baseline.peak_phase.after_backward:
         parts = peak_components(plan.graph, plan.schedule)
         step = parts[OPTIMIZER_STEP]
-        labels = {**COMPONENT_LABELS, "workspace": "step temporaries"}
+        labels = {**COMPONENT_LABELS, Component.WORKSPACE: "step temporaries"}
         listed = " + ".join(
             f"{label} {format_bytes(step[key])}" for key, label in labels.items() if step.get(key, 0)
         )

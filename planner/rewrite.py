@@ -12,8 +12,15 @@ That choice answers three traps users hit by hand:
 
 The result is an instance of a subclass of the model's own class that shares the original's
 submodules, parameters and buffers (so `state_dict` keys, `isinstance` and the optimizer's parameter
-list are unchanged). Only in training with grad enabled does it run the planned graph; in eval or
-under `no_grad` it runs the model's own forward, since nothing is saved for backward there.
+list are unchanged). NOTE [drop-in]: training stacks look at the model, not only call it, so the
+subclass keeps the class's name, module and qualified name (Hugging Face's `save_pretrained` writes
+`architectures` from it, and the original class's `from_pretrained` loads the result) and its
+`forward` carries the original's signature (`inspect.signature` is what the Trainer filters a batch's
+columns by, and what accelerate and PEFT read). `gradient_checkpointing_enable()` raises: a second
+layer of checkpointing would replay regions twice and was not planned. Only in training with grad
+enabled does it run the planned graph; in eval or under `no_grad` it runs the model's own forward,
+since nothing is saved for backward there. Calls at other shapes than the example's run on the
+graph that admits them (planner/shapes.py).
 
 NOTE [FSDP2]: the planned graph inlines the operations of the model's blocks and calls their leaf
 modules directly, so FSDP2's `fully_shard` hooks on a block (all-gather before its forward, reshard and
@@ -31,7 +38,7 @@ import contextvars
 import copy
 import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
@@ -40,23 +47,26 @@ from torch import fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from planner.capture import GraphCall
+from planner.capture import Capture
 from planner.errors import UnplannedStep, UnsupportedModel, format_bytes
-from planner.ir import ActivationGraph, Region, Schedule, TrainingStep
+from planner.ir import ActivationGraph, Schedule, TrainingStep
+from planner.shapes import CallDispatch, RegionNodes, regions_of
 
 __all__ = [
     "CheckpointedRegion",
     "CheckpointedUnit",
+    "add_forward_pre_hook",
     "fully_sharded_modules",
     "guard_gradients",
+    "planned_class",
     "planned_graph_of",
     "rewrite",
+    "with_checkpointed_units",
 ]
 
-SPLIT_ATTRIBUTE = "_planner_split"
+DISPATCH_ATTRIBUTE = "_planner_calls"
 REGION_PREFIX = "checkpointed_region_"
 MODEL_FORWARD_ATTRIBUTE = "_planner_model_forward"
-CALL_ATTRIBUTE = "_planner_call"
 
 
 @contextmanager
@@ -295,8 +305,8 @@ def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
     return order.__getitem__
 
 
-def _split(graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Schedule) -> fx.GraphModule:
-    """Fuse each CHECKPOINT region into one call of a CheckpointedRegion; leave the rest inline.
+def _split(graph_module: fx.GraphModule, regions: Sequence[RegionNodes]) -> fx.GraphModule:
+    """Fuse each checkpointed region into one call of a CheckpointedRegion; leave the rest inline.
 
     Stored regions stay in the top-level graph, whose generated code frees each value after its last
     use, so their memory behaves exactly as in the original model. (Wrapping them in submodules too
@@ -304,10 +314,11 @@ def _split(graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Sched
     """
     split = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph), type(graph_module).__name__)
     by_name = {node.name: node for node in split.graph.nodes}
-    fused: list[tuple[Region, dict[fx.Node, int | None]]] = []
-    for region in schedule.checkpointed:
-        nodes = graph.nodes[region.start : region.stop]
-        partition: dict[fx.Node, int | None] = {by_name[n.name]: None for n in nodes if n.name in by_name}
+    fused: list[tuple[RegionNodes, dict[fx.Node, int | None]]] = []
+    for region in regions:
+        if region.unit_path is not None:
+            continue
+        partition: dict[fx.Node, int | None] = {by_name[n]: None for n in region.names if n in by_name}
         if partition:
             _localize_attributes(split.graph, partition)
             fused.append((region, partition))
@@ -316,10 +327,36 @@ def _split(graph_module: fx.GraphModule, graph: ActivationGraph, schedule: Sched
     )
     for number, (region, _) in enumerate(fused):
         name = f"{REGION_PREFIX}{number}"
-        keep_names = {graph.nodes[index].name for index in region.keep}
-        setattr(split, name, CheckpointedRegion(getattr(split, name), keep_names))
+        setattr(split, name, CheckpointedRegion(getattr(split, name), set(region.keep)))
+    # NOTE [split calls] in simulate.py: a child call runs under checkpoint inside a copy of its caller
+    units = [region.unit_path for region in regions if region.unit_path is not None]
+    with_checkpointed_units(split, units, copy_root=False)
     split.recompile()
     return split
+
+
+def with_checkpointed_units(
+    root: torch.nn.Module, paths: list[str], *, copy_root: bool = True
+) -> torch.nn.Module:
+    """`root` (or with `copy_root` a shallow copy of it) in which the submodules at `paths` run under
+    checkpoint (`CheckpointedUnit`). The modules on the way to them are shallow copies, so parameters,
+    buffers and every other submodule stay the model's own, and the model is not changed."""
+    planned = copy.copy(root) if copy_root else root
+    if copy_root:
+        planned._modules = dict(root._modules)
+    for path in paths:
+        parent = planned
+        parts = path.split(".")
+        for part in parts[:-1]:
+            child = copy.copy(parent._modules[part])
+            assert child is not None
+            child._modules = dict(child._modules)
+            parent._modules[part] = child
+            parent = child
+        unit = parent._modules[parts[-1]]
+        assert unit is not None
+        parent._modules[parts[-1]] = CheckpointedUnit.wrap(unit)
+    return planned
 
 
 FSDP_MODULE = "torch.distributed.fsdp"
@@ -351,36 +388,61 @@ def _refuse_fully_sharded(module: torch.nn.Module) -> None:
 def _planned_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if self.training and torch.is_grad_enabled():
         _refuse_fully_sharded(self)
-        call: GraphCall | None = getattr(self, CALL_ATTRIBUTE)
-        if call is not None:
-            args, kwargs = call.graph_arguments(args, kwargs)
-        return getattr(self, SPLIT_ATTRIBUTE)(*args, **kwargs)
+        dispatch: CallDispatch = getattr(self, DISPATCH_ATTRIBUTE)
+        split, graph_args, graph_kwargs = dispatch.select(args, kwargs)
+        return split(*graph_args, **graph_kwargs)
     return getattr(type(self), MODEL_FORWARD_ATTRIBUTE)(self, *args, **kwargs)
 
 
-def rewrite(
-    model: torch.nn.Module,
-    graph_module: fx.GraphModule,
-    graph: ActivationGraph,
-    schedule: Schedule,
-    *,
-    call: GraphCall | None = None,
-) -> torch.nn.Module:
-    """A drop-in replacement for `model` that checkpoints as `schedule` says.
-
-    `call` maps the model's calls onto the graph's inputs (`Capture.call`); without it the graph is
-    called with the model's arguments as they are.
-    """
-    split = _split(graph_module, graph, schedule)
-    planned_class = type(
-        f"Planned{type(model).__name__}",
-        (type(model),),
-        {"forward": _planned_forward, MODEL_FORWARD_ATTRIBUTE: type(model).forward},
+def _refuse_gradient_checkpointing(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    raise UnsupportedModel(
+        f"gradient_checkpointing_enable() on a planned {type(self).__name__}: plan.module already "
+        "checkpoints what its plan chose, and a second layer of checkpointing would replay regions twice "
+        "and break the plan's memory figures. Train plan.module as it is (with the Hugging Face Trainer, "
+        "leave TrainingArguments(gradient_checkpointing=False)), or call it on the original model instead "
+        "of planning."
     )
+
+
+_PLANNED_CLASSES: dict[tuple[type[torch.nn.Module], bool], type[torch.nn.Module]] = {}
+"""One planned subclass per model class (and kind), so that plans of one class share a class."""
+
+
+def planned_class(model_class: type[torch.nn.Module], *, runs_graph: bool) -> type[torch.nn.Module]:
+    """The class of a planned module: a subclass of `model_class` that passes for it (NOTE [drop-in]).
+
+    With `runs_graph` its `forward` runs the planned graph in training and the class's own forward
+    otherwise, under the original forward's signature; without, the forward is the class's own (the
+    module level checkpoints submodules instead).
+    """
+    key = (model_class, runs_graph)
+    if key not in _PLANNED_CLASSES:
+        namespace: dict[str, Any] = {
+            "__module__": model_class.__module__,
+            "__qualname__": model_class.__qualname__,
+            "gradient_checkpointing_enable": _refuse_gradient_checkpointing,
+        }
+        if runs_graph:
+            original = model_class.forward
+
+            @functools.wraps(original)
+            def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+                return _planned_forward(self, *args, **kwargs)
+
+            namespace |= {"forward": forward, MODEL_FORWARD_ATTRIBUTE: original}
+        _PLANNED_CLASSES[key] = type(model_class.__name__, (model_class,), namespace)
+    return _PLANNED_CLASSES[key]
+
+
+def rewrite(
+    model: torch.nn.Module, captured: Capture, graph: ActivationGraph, schedule: Schedule
+) -> torch.nn.Module:
+    """A drop-in replacement for `model` that checkpoints as `schedule` (a schedule of `graph`, the
+    profiled graph of `captured`) says, at the example's shape and every other (planner/shapes.py)."""
+    dispatch = CallDispatch(model, captured, regions_of(graph, schedule), _split)
     planned = copy.copy(model)
-    planned.__class__ = planned_class
-    object.__setattr__(planned, SPLIT_ATTRIBUTE, split)
-    object.__setattr__(planned, CALL_ATTRIBUTE, call)
+    planned.__class__ = planned_class(type(model), runs_graph=True)
+    object.__setattr__(planned, DISPATCH_ATTRIBUTE, dispatch)
     return planned
 
 
@@ -397,10 +459,20 @@ def guard_gradients(module: torch.nn.Module, step: TrainingStep) -> torch.nn.Mod
     """
     if step.gradients_resident:
         return module
-    # plan.module is a shallow copy of the model: give it its own hook table before adding to it.
-    module._forward_pre_hooks = type(module._forward_pre_hooks)(module._forward_pre_hooks)
-    module.register_forward_pre_hook(_refuse_alive_gradients)
+    add_forward_pre_hook(module, _refuse_alive_gradients)
     return module
+
+
+def add_forward_pre_hook(
+    module: torch.nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False
+) -> None:
+    """Register `hook` on a planned module alone: it is a shallow copy of the model, whose hook tables
+    it shares until it is given its own."""
+    module._forward_pre_hooks = type(module._forward_pre_hooks)(module._forward_pre_hooks)
+    module._forward_pre_hooks_with_kwargs = type(module._forward_pre_hooks_with_kwargs)(
+        module._forward_pre_hooks_with_kwargs
+    )
+    module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
 
 
 def _refuse_alive_gradients(module: torch.nn.Module, _args: Any) -> None:
@@ -420,5 +492,7 @@ def _refuse_alive_gradients(module: torch.nn.Module, _args: Any) -> None:
 
 
 def planned_graph_of(module: torch.nn.Module) -> fx.GraphModule:
-    """The split graph a planned module runs in training (for inspection and tests)."""
-    return getattr(module, SPLIT_ATTRIBUTE)
+    """The split graph a planned module runs in training at the example's shape (for inspection and
+    tests)."""
+    dispatch: CallDispatch = getattr(module, DISPATCH_ATTRIBUTE)
+    return dispatch.example_split

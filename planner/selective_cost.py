@@ -1,4 +1,12 @@
-"""What a selective checkpoint policy costs beyond the recompute it saves.
+"""What checkpointing costs beyond the recompute: each checkpoint call's own work, and a selective policy's.
+
+Every checkpointed region pays `torch.utils.checkpoint`'s own work once per step: saving and restoring
+the RNG state, its saved-tensor hooks, setting up and running the replay. On a CPU this is a fraction of
+a millisecond, as much as the forward of a small block, so ten small regions cost more than one region
+that replays the same operators. `measure_checkpoint_call_ms` measures it on the device over the same
+chain of tiny blocks (the time of a checkpointed step less a plain step and the replay's forward), as a
+part per call and a part per operator (its hooks run for every tensor the region saves); the planner
+charges both to every checkpointed region (`ActivationGraph.checkpoint_call_ms`, `checkpoint_op_ms`).
 
 A checkpointed region that keeps nodes (see NOTE [selective keeps] in simulate.py) runs under
 `create_selective_checkpoint_contexts`: a TorchDispatchMode that calls back into Python for every
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +35,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["OperatorCounter", "measure_selective_op_overhead_ms"]
+__all__ = ["CheckpointCost", "OperatorCounter", "measure_checkpoint_cost", "measure_selective_op_overhead_ms"]
 
 CHAIN_BLOCKS = 4
 CHANNELS, SIDE, WIDTH = 4, 4, 8
@@ -46,8 +55,8 @@ class OperatorCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _chain(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
-    for _ in range(CHAIN_BLOCKS):
+def _chain(x: torch.Tensor, weights: dict[str, torch.Tensor], blocks: int = CHAIN_BLOCKS) -> torch.Tensor:
+    for _ in range(blocks):
         y = F.conv2d(x, weights["conv"], weights["conv_bias"], padding=1)
         y = F.batch_norm(y, None, None, weights["norm"], weights["norm_bias"], training=True)
         v = F.linear(torch.relu(y).flatten(1), weights["linear"], weights["linear_bias"])
@@ -73,16 +82,69 @@ def _recompute_everything(context: Any, operator: Any, *args: Any, **kwargs: Any
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _step_s(device: torch.device, *, selective: bool) -> float:
+def _step_s(device: torch.device, *, selective: bool, blocks: int = CHAIN_BLOCKS) -> float:
     x, weights = _chain_inputs(device)
     options: dict[str, Any] = {}
     if selective:
         options["context_fn"] = lambda: create_selective_checkpoint_contexts(_recompute_everything)
     _synchronize(device)
     started = time.perf_counter()
-    checkpoint(_chain, x, weights, use_reentrant=False, **options).sum().backward()
+    checkpoint(_chain, x, weights, blocks, use_reentrant=False, **options).sum().backward()
     _synchronize(device)
     return time.perf_counter() - started
+
+
+def _plain_step_s(device: torch.device, *, backward: bool, blocks: int) -> float:
+    x, weights = _chain_inputs(device)
+    _synchronize(device)
+    started = time.perf_counter()
+    output = _chain(x, weights, blocks)
+    if backward:
+        output.sum().backward()
+    _synchronize(device)
+    return time.perf_counter() - started
+
+
+@dataclass(frozen=True)
+class CheckpointCost:
+    """What one checkpointed region costs beyond replaying its forward, forward and backward together."""
+
+    call_ms: float
+    """Once per region: the RNG state saved and restored, the replay set up."""
+    per_operator_ms: float
+    """Per operator of the region: checkpoint's Python hooks on each tensor it saves and unpacks."""
+
+
+def _checkpoint_overhead_s(device: torch.device, blocks: int) -> float:
+    """A checkpointed step of a chain of `blocks` less a plain step and one forward (the replay), the
+    fastest of interleaved rounds after a warm-up."""
+    for _ in range(2):
+        _step_s(device, selective=False, blocks=blocks)
+        _plain_step_s(device, backward=True, blocks=blocks)
+    checkpointed_s, plain_s, forward_s = [], [], []
+    for _ in range(TIMED_ROUNDS):
+        checkpointed_s.append(_step_s(device, selective=False, blocks=blocks))
+        plain_s.append(_plain_step_s(device, backward=True, blocks=blocks))
+        forward_s.append(_plain_step_s(device, backward=False, blocks=blocks))
+    return min(checkpointed_s) - min(plain_s) - min(forward_s)
+
+
+@functools.cache
+def measure_checkpoint_cost(device: torch.device) -> CheckpointCost:
+    """Checkpoint's own time on `device`, from chains of one block and of `CHAIN_BLOCKS` blocks: the
+    per-operator part from the difference, the per-call part from what one block leaves over. On one
+    CPU thread (see `measure_selective_op_overhead_ms`); measured once per process and device."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        short_s = _checkpoint_overhead_s(device, 1)
+        long_s = _checkpoint_overhead_s(device, CHAIN_BLOCKS)
+    finally:
+        torch.set_num_threads(threads)
+    short_operators, long_operators = _chain_operators(device, 1), _chain_operators(device, CHAIN_BLOCKS)
+    per_operator_s = max(0.0, (long_s - short_s) / (long_operators - short_operators))
+    call_s = max(0.0, short_s - per_operator_s * short_operators)
+    return CheckpointCost(call_ms=call_s * 1e3, per_operator_ms=per_operator_s * 1e3)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -113,8 +175,8 @@ def measure_selective_op_overhead_ms(device: torch.device) -> float:
     return max(0.0, min(selective_s) - min(plain_s)) * 1e3 / _chain_operators(device)
 
 
-def _chain_operators(device: torch.device) -> int:
+def _chain_operators(device: torch.device, blocks: int = CHAIN_BLOCKS) -> int:
     counter = OperatorCounter()
     with counter:
-        _chain(*_chain_inputs(device))
+        _chain(*_chain_inputs(device), blocks)
     return counter.count

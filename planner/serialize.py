@@ -36,6 +36,8 @@ def graph_to_dict(graph: ActivationGraph) -> dict[str, Any]:
         "optimizer": graph.optimizer,
         "timing": graph.timing,
         "selective_op_overhead_ms": graph.selective_op_overhead_ms,
+        "checkpoint_call_ms": graph.checkpoint_call_ms,
+        "checkpoint_op_ms": graph.checkpoint_op_ms,
         "static": dataclasses.asdict(graph.static),
         "step": dataclasses.asdict(graph.step),
         "storage_bytes": dict(graph.storage_bytes),
@@ -81,6 +83,8 @@ def graph_from_dict(data: dict[str, Any]) -> ActivationGraph:
         optimizer=str(data["optimizer"]),
         timing=str(data.get("timing", "measured")),
         selective_op_overhead_ms=float(data.get("selective_op_overhead_ms", 0.0)),
+        checkpoint_call_ms=float(data.get("checkpoint_call_ms", 0.0)),
+        checkpoint_op_ms=float(data.get("checkpoint_op_ms", 0.0)),
         step=TrainingStep(**data.get("step", {})),
     )
 

@@ -58,6 +58,14 @@ that saves its operators' outputs (MUST_SAVE). Everything those operators alloca
 but takes its outputs from the cache, so the node adds no workspace and no recompute time there.
 The part of the cache that is not the node's `creates` (operator outputs it used internally) is
 freed when the replay passes the node. Tests check this against measured peaks.
+
+NOTE [split calls]: a module whose forward the capture could not follow (data-dependent routing in a
+mixture of experts, a module with hooks) runs as Python code, and its children are profiled as parts of
+its call (`Node.part_of`): the call's own code between child calls (glue) and each child call. The
+rewriter can checkpoint the whole call, as one captured node, or one child call, by running that child
+under checkpoint inside a copy of the module; it cannot cut the Python code in between. So a
+checkpointed region may start or stop strictly inside a split call only when it is exactly one child
+call (`CheckpointRule`).
 """
 
 from __future__ import annotations
@@ -67,7 +75,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from planner.ir import (
+    GLUE_OP,
     ActivationGraph,
+    Component,
     Node,
     Phase,
     Region,
@@ -79,11 +89,13 @@ from planner.ir import (
 )
 
 __all__ = [
+    "CheckpointRule",
     "LiveBytes",
     "Replay",
     "backward_workspace",
     "cache_name",
     "cached_storages",
+    "checkpoint_overhead_ms",
     "describe_micro_batch",
     "for_training_step",
     "held_storages",
@@ -134,6 +146,38 @@ def describe_micro_batch(step: TrainingStep) -> str:
     if step.zero_grad_set_to_none:
         return "in the second micro-batch (and every later one), with all gradients alive"
     return "in every micro-batch, with all gradients alive (zero_grad(set_to_none=False) keeps them)"
+
+
+@dataclass(frozen=True)
+class CheckpointRule:
+    """Which node ranges a CHECKPOINT region may cover: checkpointable nodes only, and no boundary
+    strictly inside a split call except around exactly one of its child calls (NOTE [split calls])."""
+
+    blocked_before: tuple[int, ...]
+    """Per position: how many nodes before it cannot be checkpointed (prefix counts, O(1) queries)."""
+    inner: frozenset[int]
+    """Positions between two parts of one split call."""
+
+    @classmethod
+    def of(cls, graph: ActivationGraph) -> CheckpointRule:
+        blocked = [0]
+        for node in graph.nodes:
+            blocked.append(blocked[-1] + (not node.checkpointable))
+        nodes = graph.nodes
+        inner = frozenset(
+            position
+            for position in range(1, len(nodes))
+            if nodes[position].part_of and nodes[position].part_of == nodes[position - 1].part_of
+        )
+        return cls(blocked_before=tuple(blocked), inner=inner)
+
+    def allows(self, graph: ActivationGraph, start: int, stop: int) -> bool:
+        """Whether nodes [start, stop) may form one checkpointed region."""
+        if self.blocked_before[stop] != self.blocked_before[start]:
+            return False
+        if start in self.inner or stop in self.inner:
+            return stop == start + 1 and graph.nodes[start].op != GLUE_OP
+        return True
 
 
 def store_everything(graph: ActivationGraph, solver: str = "none") -> Schedule:
@@ -331,6 +375,16 @@ def replay_stop(graph: ActivationGraph, trigger: int) -> int:
     return trigger if stops_before_outputs(graph.nodes[trigger]) else trigger + 1
 
 
+def checkpoint_overhead_ms(graph: ActivationGraph, region: Region, operators: int | None = None) -> float:
+    """What checkpointing `region` costs beyond its replay: checkpoint's own work, once per region and
+    per operator of its nodes (`operators`, counted here when not given)."""
+    if region.policy is not RegionPolicy.CHECKPOINT:
+        return 0.0
+    if operators is None:
+        operators = sum(node.operator_count for node in graph.nodes[region.start : region.stop])
+    return graph.checkpoint_call_ms + graph.checkpoint_op_ms * operators
+
+
 def selective_overhead_ms(graph: ActivationGraph, region: Region) -> float:
     """What running `region` under a selective policy adds (none without keeps; see selective_cost.py)."""
     if not region.keep:
@@ -350,9 +404,11 @@ class _Timeline:
     peak_bytes: int = 0
     peak_phase: Phase = Phase.FORWARD
     peak_node: str = ""
-    peak_breakdown: dict[str, int] | None = None
+    peak_breakdown: dict[Component, int] | None = None
 
-    def observe(self, phase: Phase, node: str, components: dict[str, int], trace: list[TraceStep]) -> None:
+    def observe(
+        self, phase: Phase, node: str, components: dict[Component, int], trace: list[TraceStep]
+    ) -> None:
         total = sum(components.values())
         trace.append(
             TraceStep(phase=phase, node=node, live_bytes=total, peak_bytes=max(total, self.peak_bytes))
@@ -362,25 +418,29 @@ class _Timeline:
             self.peak_breakdown = dict(components)
 
 
-def _static_components(graph: ActivationGraph) -> dict[str, int]:
+def _static_components(graph: ActivationGraph) -> dict[Component, int]:
     static = graph.static
     return {
-        "parameters": static.parameter_bytes,
-        "buffers": static.buffer_bytes,
-        "inputs": static.input_bytes,
-        "optimizer_state": static.optimizer_state_bytes,
-        "gradients": static.resident_gradient_bytes,
+        Component.PARAMETERS: static.parameter_bytes,
+        Component.BUFFERS: static.buffer_bytes,
+        Component.INPUTS: static.input_bytes,
+        Component.OPTIMIZER_STATE: static.optimizer_state_bytes,
+        Component.GRADIENTS: static.resident_gradient_bytes,
     }
 
 
 def _validate(graph: ActivationGraph, regions: Iterable[Region]) -> None:
     position = 0
+    rule = CheckpointRule.of(graph)
     for region in regions:
         assert region.start == position and region.stop > region.start, f"regions must tile: {regions}"
         position = region.stop
         if region.policy is RegionPolicy.CHECKPOINT:
-            blocked = [n.name for n in graph.nodes[region.start : region.stop] if not n.checkpointable]
-            assert not blocked, f"region {region} checkpoints nodes that cannot be: {blocked}"
+            names = [n.name for n in graph.nodes[region.start : region.stop]]
+            assert rule.allows(graph, region.start, region.stop), (
+                f"region {region} cannot be checkpointed: not every node may be, or it cuts a split call "
+                f"(NOTE [split calls]): {names[:6]}"
+            )
         assert all(region.start <= index < region.stop for index in region.keep), f"keep outside {region}"
         assert not region.keep or region.policy is RegionPolicy.CHECKPOINT, f"keep in a STORE region {region}"
     assert position == len(graph.nodes), f"regions cover {position} of {len(graph.nodes)} nodes"
@@ -430,7 +490,11 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
     live = LiveBytes(sizes)
     for index, node in enumerate(graph.nodes):
         running = live.total_bytes + _bytes(sizes, node.creates)
-        components = {**static, "activations": running, "workspace": node.forward_workspace_bytes}
+        components = {
+            **static,
+            Component.ACTIVATIONS: running,
+            Component.WORKSPACE: node.forward_workspace_bytes,
+        }
         timeline.observe(Phase.FORWARD, node.name, components, trace)
         for name in node.creates:
             live.add(name, leaves_after(name), index)
@@ -451,14 +515,14 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
     for name in live.names:
         pending.add(name, held.get(name, -1), last)
     gradient_bytes = 0
-    recompute_ms = 0.0
+    recompute_ms = sum(checkpoint_overhead_ms(graph, region) for region in schedule.regions)
     for index in range(last, -1, -1):
         node = graph.nodes[index]
         gradient_bytes += node.parameter_gradient_bytes
         base = {
             **static,
-            "gradients": static["gradients"] + gradient_bytes,
-            "workspace": backward_workspace(node, pending, index),
+            Component.GRADIENTS: static[Component.GRADIENTS] + gradient_bytes,
+            Component.WORKSPACE: backward_workspace(node, pending, index),
         }
         if index in triggers:
             for name in taken_at.get(index, ()):
@@ -467,20 +531,26 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
             recompute_ms += replay.recompute_ms
             components = {
                 **static,
-                "gradients": static["gradients"] + gradient_bytes - node.parameter_gradient_bytes,
-                "workspace": replay_workspace_bytes(graph, index),
-                "activations": pending.total_bytes,
-                "recompute": replay.peak_bytes,
+                Component.GRADIENTS: static[Component.GRADIENTS]
+                + gradient_bytes
+                - node.parameter_gradient_bytes,
+                Component.WORKSPACE: replay_workspace_bytes(graph, index),
+                Component.ACTIVATIONS: pending.total_bytes,
+                Component.RECOMPUTE: replay.peak_bytes,
             }
             timeline.observe(Phase.RECOMPUTE, node.name, components, trace)
             for name, at in replay.kept.items():
                 pending.add(f"{name}@replay", at, index)
-        components = {**base, "activations": pending.total_bytes}
+        components = {**base, Component.ACTIVATIONS: pending.total_bytes}
         timeline.observe(Phase.BACKWARD, node.name, components, trace)
         pending.finish(index)
 
     for phase, node_name, workspace_bytes in _after_backward(graph):
-        components = {**static, "gradients": graph.static.gradient_bytes, "workspace": workspace_bytes}
+        components = {
+            **static,
+            Component.GRADIENTS: graph.static.gradient_bytes,
+            Component.WORKSPACE: workspace_bytes,
+        }
         timeline.observe(phase, node_name, components, trace)
 
     assert timeline.peak_breakdown is not None

@@ -82,8 +82,6 @@ def drop_export_guards(graph_module: fx.GraphModule) -> None:
     graph_module.recompile()
 
 
-
-
 def _is_container(module: torch.nn.Module) -> bool:
     return any(True for _ in module.children())
 

@@ -1,9 +1,9 @@
 """What-if: the checkpointing people apply by hand, predicted by the same simulator as the plans.
 
-Why it exists: the seed threads tried `checkpoint_sequential` with more and more segments (000),
-`checkpoint` around single operations (001) and `checkpoint_wrapper` around the whole model (003), and
-could not see why memory went up or stayed put. Building those hand-made schedules on the planner's
-graph and simulating them shows why, in the same numbers and the same report as a plan:
+Why it exists: users try `checkpoint_sequential` with more and more segments (the zoo's seed000),
+`checkpoint` around single operations (seed001) and `checkpoint_wrapper` around the whole model
+(seed003), and cannot see why memory went up or stayed put. Building those hand-made schedules on the
+planner's graph and simulating them shows why, in the same numbers and the same report as a plan:
 
 - `equal_segments(graph, k)`: k segments of equal node count, all but the last checkpointed, as
   `checkpoint_sequential(model, k, x)` splits an `nn.Sequential`;
@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from planner.errors import format_bytes
-from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
-from planner.simulate import simulate
+from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule, merge_stored
+from planner.simulate import CheckpointRule, simulate
 
 __all__ = [
     "WhatIf",
@@ -39,22 +39,12 @@ __all__ = [
 ]
 
 
-def _region(graph: ActivationGraph, start: int, stop: int, *, checkpoint: bool) -> Region:
-    """A CHECKPOINT region when asked and allowed, else a STORE region."""
-    allowed = all(node.checkpointable for node in graph.nodes[start:stop])
+def _region(
+    graph: ActivationGraph, rule: CheckpointRule, start: int, stop: int, *, checkpoint: bool
+) -> Region:
+    """A CHECKPOINT region when asked and `rule` allows it, else a STORE region."""
+    allowed = rule.allows(graph, start, stop)
     return Region(start, stop, RegionPolicy.CHECKPOINT if checkpoint and allowed else RegionPolicy.STORE)
-
-
-def _merged(regions: list[Region]) -> tuple[Region, ...]:
-    """Adjacent STORE regions as one (a store region's extent does not change the simulation)."""
-    merged: list[Region] = []
-    for region in regions:
-        previous = merged[-1] if merged else None
-        if previous and previous.policy is RegionPolicy.STORE and region.policy is RegionPolicy.STORE:
-            merged[-1] = Region(previous.start, region.stop, RegionPolicy.STORE)
-        else:
-            merged.append(region)
-    return tuple(merged)
 
 
 def _body_end(graph: ActivationGraph) -> int:
@@ -69,29 +59,31 @@ def equal_segments(graph: ActivationGraph, count: int) -> Schedule:
     end = _body_end(graph)
     count = min(count, max(end, 1))
     bounds = [round(index * end / count) for index in range(count + 1)]
+    rule = CheckpointRule.of(graph)
     regions = [
-        _region(graph, start, stop, checkpoint=number < count - 1)
+        _region(graph, rule, start, stop, checkpoint=number < count - 1)
         for number, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
         if stop > start
     ]
     if end < len(graph.nodes):
         regions.append(Region(end, len(graph.nodes), RegionPolicy.STORE))
-    return Schedule(regions=_merged(regions), solver=f"{count} equal segments")
+    return Schedule(regions=merge_stored(regions), solver=f"{count} equal segments")
 
 
 def each_node(graph: ActivationGraph) -> Schedule:
     """Every checkpointable node in a checkpoint of its own."""
-    regions = [_region(graph, index, index + 1, checkpoint=True) for index in range(len(graph.nodes))]
-    return Schedule(regions=_merged(regions), solver="each op checkpointed")
+    rule = CheckpointRule.of(graph)
+    regions = [_region(graph, rule, index, index + 1, checkpoint=True) for index in range(len(graph.nodes))]
+    return Schedule(regions=merge_stored(regions), solver="each op checkpointed")
 
 
 def whole_model(graph: ActivationGraph) -> Schedule:
     """One checkpoint around the model's whole forward; the loss after it is stored."""
     end = _body_end(graph)
-    regions = [_region(graph, 0, end, checkpoint=True)] if end else []
+    regions = [_region(graph, CheckpointRule.of(graph), 0, end, checkpoint=True)] if end else []
     if end < len(graph.nodes):
         regions.append(Region(end, len(graph.nodes), RegionPolicy.STORE))
-    return Schedule(regions=_merged(regions), solver="whole model checkpointed")
+    return Schedule(regions=merge_stored(regions), solver="whole model checkpointed")
 
 
 def numbered_containers(graph: ActivationGraph) -> list[str]:
@@ -143,14 +135,15 @@ def each_block(graph: ActivationGraph, container: str) -> Schedule:
         )
     regions: list[Region] = []
     position = 0
+    rule = CheckpointRule.of(graph)
     for start, stop in spans:
         if start > position:
             regions.append(Region(position, start, RegionPolicy.STORE))
-        regions.append(_region(graph, start, stop, checkpoint=True))
+        regions.append(_region(graph, rule, start, stop, checkpoint=True))
         position = stop
     if position < len(graph.nodes):
         regions.append(Region(position, len(graph.nodes), RegionPolicy.STORE))
-    return Schedule(regions=_merged(regions), solver=f"each block of {container or 'the model'}")
+    return Schedule(regions=merge_stored(regions), solver=f"each block of {container or 'the model'}")
 
 
 def main_container(graph: ActivationGraph) -> str | None:

@@ -1,11 +1,13 @@
 """A zoo of small, deterministic models for the demo, the tests and the benchmarks.
 
 Why it exists: the planner should be judged on the models real users struggled with, not on chains chosen
-because they are easy. So the zoo rebuilds the models from the user threads in `shared/seeds` (seed 000's
-deep sigmoid MLP; both CNNs of seed 001, the user's checkpointed one and the plain one; seed 002's CIFAR-10
-model; seed 003's FeedForward stack), plus a GPT-like transformer and a BatchNorm/dropout CNN that bring
-attention, random ops and running statistics, and one MLP that `torch.fx.symbolic_trace` cannot trace,
-for the capture fallback. Weights are random; nothing is downloaded.
+because they are easy. So the zoo rebuilds the models of five reports from users whose checkpointing
+went wrong, named `seed000` to `seed003` after them: a deep sigmoid MLP whose peak rose as more segments
+were checkpointed (000); two CNNs, one the user checkpointed by hand operation by operation, and the
+plain one (001); a CIFAR-10 model whose first block froze under reentrant checkpointing (002); a
+FeedForward stack whose memory did not drop (003); plus a GPT-like transformer and a BatchNorm/dropout
+CNN that bring attention, random ops and running statistics, and one MLP that `torch.fx.symbolic_trace`
+cannot trace, for the capture fallback. Weights are random; nothing is downloaded.
 
 Each entry is scaled so that one forward and backward step on a 2-core CPU takes under 0.15 s while the
 saved activations are still megabytes, so checkpointing has something to save. `build()` constructs under
@@ -51,33 +53,39 @@ SEED = 0
 
 @dataclass(frozen=True)
 class ZooModel:
-    """One zoo entry: `build()` returns a fresh model in train mode and its example inputs."""
+    """One zoo entry: `build()` returns a fresh model in train mode and its example inputs.
+
+    An entry with `sizes` also builds at other sizes: `build(batch=64)`, `build(sequence=256)` (the
+    description gives the defaults); `planner capacity zoo:NAME --batch 1..512` searches them.
+    """
 
     name: str
     description: str
-    build: Callable[[], ModelAndInputs]
+    build: Callable[..., ModelAndInputs]
+    sizes: tuple[str, ...] = ()
+    """The size keywords `build` takes: "batch" and/or "sequence"."""
 
 
-def _seeded(construct: Callable[[], ModelAndInputs]) -> Callable[[], ModelAndInputs]:
+def _seeded(construct: Callable[..., ModelAndInputs]) -> Callable[..., ModelAndInputs]:
     """Wrap a constructor so it runs under `SEED` without consuming the caller's RNG stream."""
 
     @functools.wraps(construct)
-    def build() -> ModelAndInputs:
+    def build(**sizes: int) -> ModelAndInputs:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED)
-            model, inputs = construct()
+            model, inputs = construct(**sizes)
         return model.train(), inputs
 
     return build
 
 
-def _build_seed000_mlp() -> ModelAndInputs:
-    width, layer_count, batch_size = 256, 12, 1024
+def _build_seed000_mlp(batch: int = 1024) -> ModelAndInputs:
+    width, layer_count = 256, 12
     layers: list[nn.Module] = []
     for _ in range(layer_count - 1):
         layers += [nn.Linear(width, width), nn.ReLU()]
     layers += [nn.Linear(width, width), nn.Sigmoid()]
-    return nn.Sequential(*layers), (torch.randn(batch_size, width),)
+    return nn.Sequential(*layers), (torch.randn(batch, width),)
 
 
 SEED001_HEIGHT, SEED001_WIDTH, SEED001_CHANNELS = 19, 22, 20
@@ -168,9 +176,8 @@ class CIFAR10Model(nn.Module):
         return self.out(x)
 
 
-def _build_seed002_cifar10() -> ModelAndInputs:
-    batch_size = 32
-    return CIFAR10Model(), (torch.randn(batch_size, 3, 32, 32),)
+def _build_seed002_cifar10(batch: int = 32) -> ModelAndInputs:
+    return CIFAR10Model(), (torch.randn(batch, 3, 32, 32),)
 
 
 class FeedForward(nn.Module):
@@ -191,11 +198,10 @@ class FeedForward(nn.Module):
         return x
 
 
-def _build_seed003_feedforward() -> ModelAndInputs:
+def _build_seed003_feedforward(batch: int = 16, sequence: int = 128) -> ModelAndInputs:
     hidden_size, intermediate_size, num_layers = 256, 1024, 8
-    batch_size, sequence_length = 16, 128
     model = FeedForward(hidden_size, intermediate_size, num_layers)
-    return model, (torch.randn(batch_size, sequence_length, hidden_size, requires_grad=True),)
+    return model, (torch.randn(batch, sequence, hidden_size, requires_grad=True),)
 
 
 @dataclass(frozen=True)
@@ -288,10 +294,9 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.final_norm(self.blocks(x)))
 
 
-def _build_gpt_tiny() -> ModelAndInputs:
-    config = GPTConfig()
-    batch_size = 8
-    token_ids = torch.randint(config.vocabulary_size, (batch_size, config.sequence_length))
+def _build_gpt_tiny(batch: int = 8, sequence: int = 64) -> ModelAndInputs:
+    config = GPTConfig(sequence_length=sequence)
+    token_ids = torch.randint(config.vocabulary_size, (batch, config.sequence_length))
     return TinyGPT(config), (token_ids,)
 
 
@@ -306,8 +311,7 @@ def _convolution_block(in_channels: int, out_channels: int, *, pool: bool) -> nn
     return nn.Sequential(*layers)
 
 
-def _build_cnn_bn_dropout() -> ModelAndInputs:
-    batch_size = 16
+def _build_cnn_bn_dropout(batch: int = 16) -> ModelAndInputs:
     model = nn.Sequential(
         _convolution_block(3, 32, pool=False),
         _convolution_block(32, 32, pool=True),
@@ -319,7 +323,7 @@ def _build_cnn_bn_dropout() -> ModelAndInputs:
         nn.Dropout(0.5),
         nn.Linear(256, 10),
     )
-    return model, (torch.randn(batch_size, 3, 32, 32),)
+    return model, (torch.randn(batch, 3, 32, 32),)
 
 
 class SignGatedLinear(nn.Module):
@@ -358,6 +362,7 @@ ZOO: dict[str, ZooModel] = {
             "Seed 000's deep MLP: 12 Linear layers of width 256 with ReLU, ending in Sigmoid; batch 1024 "
             "(the thread gives no sizes).",
             _seeded(_build_seed000_mlp),
+            sizes=("batch",),
         ),
         ZooModel(
             "seed001_cnn",
@@ -376,24 +381,28 @@ ZOO: dict[str, ZooModel] = {
             "Seed 002's CIFAR10Model: two conv pairs with MaxPool, dropout 0.25/0.25/0.5, "
             "Linear 4096->512->10, without the post's checkpoint call; batch 32 of 3x32x32.",
             _seeded(_build_seed002_cifar10),
+            sizes=("batch",),
         ),
         ZooModel(
             "seed003_feedforward",
             "Seed 003's FeedForward scaled to CPU: 8 x (Linear 256->1024, Linear 1024->256), "
             "input (16, 128, 256) with requires_grad=True (the thread: 1024/4096, input (128, 1024, 1024)).",
             _seeded(_build_seed003_feedforward),
+            sizes=("batch", "sequence"),
         ),
         ZooModel(
             "gpt_tiny",
             "GPT-like decoder from plain ops: 6 pre-LN blocks, width 128, 4 heads, causal mask buffer, "
             "dropout 0.1, vocabulary 512; token ids (8, 64).",
             _seeded(_build_gpt_tiny),
+            sizes=("batch", "sequence"),
         ),
         ZooModel(
             "cnn_bn_dropout",
             "Four Conv-BatchNorm2d-ReLU blocks (3->32->32->64->64, MaxPool and Dropout2d after the 2nd and "
             "4th), Linear 4096->256, Dropout 0.5, Linear 256->10; batch 16 of 3x32x32.",
             _seeded(_build_cnn_bn_dropout),
+            sizes=("batch",),
         ),
         ZooModel(
             "untraceable_mlp",
@@ -411,10 +420,18 @@ FIDELITY_ZOO: tuple[str, ...] = tuple(name for name in ZOO if name not in CONTAI
 """Entries whose planned gradients must equal the original model's in the fidelity tests."""
 
 
-def build_model(name: str) -> ModelAndInputs:
-    """Build the zoo entry `name`: a fresh model in train mode and its example inputs."""
+def build_model(name: str, **sizes: int) -> ModelAndInputs:
+    """Build the zoo entry `name`: a fresh model in train mode and its example inputs, at the entry's
+    default sizes or at `sizes` (`batch=`, `sequence=`) where the entry takes them."""
     try:
         entry = ZOO[name]
     except KeyError as error:
         raise KeyError(f"no zoo model named {name!r}; valid names: {', '.join(ZOO)}") from error
-    return entry.build()
+    unknown = sorted(set(sizes) - set(entry.sizes))
+    if unknown:
+        sized = [f"{other.name} ({', '.join(other.sizes)})" for other in ZOO.values() if other.sizes]
+        raise ValueError(
+            f"zoo model {name!r} does not take {', '.join(unknown)} (it takes "
+            f"{list(entry.sizes) or 'no sizes'}); entries with sizes: {', '.join(sized)}"
+        )
+    return entry.build(**sizes)

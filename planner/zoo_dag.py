@@ -5,7 +5,7 @@ Why it exists: a planner whose plan space were intervals between single-tensor c
 mixture-of-experts models and models holding `torch.nn` containers. These models are our own versions of
 those shapes, small enough for a CPU test step, with activations of megabytes:
 
-- `EfficientDenseNet`: the memory-efficient DenseNet of a user thread (`checkpoint(bn_function,
+- `EfficientDenseNet`: the memory-efficient DenseNet users build (`checkpoint(bn_function,
   *prev_features)`), whose layers take the feature list as separate arguments;
 - `DeepUNet`: depth 4, skip connections held in a Python list;
 - `DiffusionUNet`: a timestep embedding added in every residual block, GroupNorm, self-attention at the

@@ -174,3 +174,56 @@ def test_pareto_tabulates_plots_and_saves_the_frontier_beside_the_baselines(
     assert sum(name.startswith("planner at ") for name in names) == 4
     assert all(row["peak_bytes"] > 0 and row["overhead"] >= 0 for row in rows)
     assert "every block of layers (Hugging Face)" in result.stdout
+
+
+def test_capacity_prints_the_table_writes_json_and_plots_card_memories(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    plot_path, json_path = tmp_path / "capacity.png", tmp_path / "capacity.json"
+    arguments = [
+        "capacity",
+        "zoo:seed000_mlp",
+        "--device",
+        "cpu",
+        "--budget",
+        "16MiB",
+        "--batch",
+        "256..1024:256",
+    ]
+    result = runner.invoke(
+        app, [*arguments, "--solver", "dp", "--plot", str(plot_path), "--json", str(json_path)]
+    )
+    assert result.exit_code == 0, result.output
+    table = json.loads(json_path.read_text())
+    assert table["dimension"] == "batch" and table["budget_bytes"] == 16 * MIB
+    largest = table["largest_with"]
+    assert largest in (256, 512, 768) and table["largest_without"] < largest
+    assert f"largest batch with checkpointing     {largest}" in result.stdout
+    fitting = [row for row in table["rows"] if row["min_peak_bytes"] <= 16 * MIB]
+    assert max(row["size"] for row in fitting) == largest
+    assert plot_path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_capacity_exits_3_when_nothing_fits_and_2_on_bad_sizes(runner: CliRunner) -> None:
+    arguments = ["capacity", "zoo:seed000_mlp", "--device", "cpu", "--quiet"]
+    result = runner.invoke(app, [*arguments, "--budget", "1MiB", "--batch", "256,512"])
+    assert result.exit_code == EXIT_INFEASIBLE, result.output
+    result = runner.invoke(app, [*arguments, "--budget", "1GiB", "--batch", "0..4"])
+    assert result.exit_code == EXIT_BAD_INPUT and "write 1..512" in result.output
+    result = runner.invoke(app, [*arguments, "--budget", "1GiB", "--batch", "64"])
+    assert result.exit_code == EXIT_BAD_INPUT and "search exactly one of batch= or sequence=" in result.output
+    result = runner.invoke(app, [*arguments, "--batch", "64..128"])
+    assert result.exit_code == EXIT_BAD_INPUT and "does not say how much memory it has" in result.output
+    result = runner.invoke(app, [*arguments, "--budget", "1GiB", "--batch", "64..128", "--sequence", "64"])
+    assert result.exit_code == EXIT_BAD_INPUT and "does not take sequence" in result.output
+
+
+def test_capacity_on_the_meta_device_plans_for_a_named_card(runner: CliRunner, tmp_path: Path) -> None:
+    json_path = tmp_path / "capacity.json"
+    arguments = ["capacity", "zoo:seed000_mlp", "--meta", "--device", "h100-80gb", "--batch", "256,1024"]
+    result = runner.invoke(app, [*arguments, "--quiet", "--json", str(json_path)])
+    assert result.exit_code == 0, result.output
+    table = json.loads(json_path.read_text())
+    assert table["card"] == "h100-80gb" and table["budget_bytes"] == 80 * 2**30
+    assert table["timing"] == "analytic (h100-80gb)" and table["largest_without"] == 1024
+    assert "the largest batch searched fits: search higher to find the limit" in table["notes"]

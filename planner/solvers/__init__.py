@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from planner.errors import InfeasibleBudget
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule, SimulationResult
-from planner.simulate import simulate, store_everything
+from planner.simulate import CheckpointRule, simulate, store_everything
 from planner.solvers.chain import Chain, build_chain
 from planner.solvers.dp import CostTable, least_recompute, min_peak_schedule, region_costs, tabulate
 from planner.solvers.ilp import DETERMINISTIC_SECONDS, ilp_schedule
@@ -33,7 +33,7 @@ from planner.solvers.region_costs import RegionCosts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SOLVERS", "Solver", "chen_schedule", "lowest_peak", "solve"]
+__all__ = ["SOLVERS", "Solver", "check_solver", "chen_schedule", "lowest_peak", "solve"]
 
 Solver = Callable[..., Schedule]
 ILP_TIME_LIMIT_S = 10.0
@@ -83,9 +83,10 @@ def chen_schedule(graph: ActivationGraph) -> Schedule:
     )
     bounds = [0, *chosen, total]
     regions = []
+    rule = CheckpointRule.of(graph)
     for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         last = stop == total
-        checkpointable = all(node.checkpointable for node in graph.nodes[start:stop])
+        checkpointable = rule.allows(graph, start, stop)
         policy = RegionPolicy.CHECKPOINT if (not last and checkpointable) else RegionPolicy.STORE
         regions.append(Region(start, stop, policy))
     return Schedule(regions=tuple(regions), solver="chen")
@@ -192,8 +193,14 @@ SOLVERS: dict[str, Solver] = {
 }
 
 
-def solve(graph: ActivationGraph, *, budget_bytes: int, solver: str = "auto") -> Schedule:
-    """Run the named solver; unknown names get a ValueError listing the registry."""
+def check_solver(solver: str) -> str:
+    """`solver` when the registry has it, else a ValueError listing the registry (checked before
+    profiling, so a typo costs no profiling run)."""
     if solver not in SOLVERS:
         raise ValueError(f"solver={solver!r} is not known; use one of {sorted(SOLVERS)}")
-    return SOLVERS[solver](graph, budget_bytes=budget_bytes)
+    return solver
+
+
+def solve(graph: ActivationGraph, *, budget_bytes: int, solver: str = "auto") -> Schedule:
+    """Run the named solver; unknown names get a ValueError listing the registry."""
+    return SOLVERS[check_solver(solver)](graph, budget_bytes=budget_bytes)

@@ -37,7 +37,7 @@ For a region [start, stop) under a policy, entered with `held_in`, `region_cost`
 - `points_bytes`: the region's live bytes at each moment (forward nodes, its replay when checkpointed,
   its backward nodes) on top of what earlier regions retain, including parameter gradients and
   measured residuals;
-- `recompute_ms`: forward time replayed in backward;
+- `recompute_ms`: forward time replayed in backward, and checkpoint's own time when checkpointed;
 - `held_out`: the storages crossing `stop` that are held after the region.
 """
 
@@ -54,6 +54,7 @@ from planner.simulate import (
     backward_workspace,
     cache_name,
     cached_storages,
+    checkpoint_overhead_ms,
     held_storages,
     recompute_trigger,
     region_inputs,
@@ -65,7 +66,7 @@ from planner.simulate import (
 __all__ = [
     "Chain",
     "RegionCost",
-    "RegionSummary",
+    "RegionCostSummary",
     "State",
     "boundary_depths",
     "build_chain",
@@ -345,7 +346,7 @@ def _backward_points(
             recompute_ms = replay.recompute_ms
         points.append(pending.total_bytes + flowing)
         pending.finish(index)
-    return points, recompute_ms
+    return points, recompute_ms + checkpoint_overhead_ms(graph, region)
 
 
 def passing_bytes(chain: Chain, region: Region, held_in: frozenset[str]) -> int:
@@ -430,7 +431,7 @@ def keep_effect(chain: Chain, region: Region, index: int) -> tuple[tuple[int, ..
 
 
 @dataclass(frozen=True)
-class RegionSummary:
+class RegionCostSummary:
     """What the region DP needs of a `RegionCost`: its peak, what it charges, its recompute, and the
     nodes the region keeps (selective checkpointing) to get them."""
 

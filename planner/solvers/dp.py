@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from planner.ir import Region, RegionPolicy, Schedule
-from planner.solvers.chain import Chain, RegionSummary, State
+from planner.ir import Region, RegionPolicy, Schedule, merge_stored
+from planner.simulate import CheckpointRule
+from planner.solvers.chain import Chain, RegionCostSummary, State
 from planner.solvers.region_costs import RegionCosts
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class Transition:
     """Without keeps; a variant's `keep` says which nodes it keeps."""
     source: State
     target: State
-    variants: tuple[RegionSummary, ...]
+    variants: tuple[RegionCostSummary, ...]
 
 
 @dataclass(frozen=True)
@@ -77,14 +78,12 @@ class CostTable:
     def start(self) -> State:
         return next(iter(self.transitions))
 
-    def with_variants(self, variants: dict[tuple[State, Region], tuple[RegionSummary, ...]]) -> CostTable:
+    def with_variants(self, variants: dict[tuple[State, Region], tuple[RegionCostSummary, ...]]) -> CostTable:
         """The same transitions with other variants where `variants` has them."""
         return CostTable(
             transitions={
                 state: tuple(
-                    Transition(
-                        t.region, t.source, t.target, variants.get((t.source, t.region), t.variants)
-                    )
+                    Transition(t.region, t.source, t.target, variants.get((t.source, t.region), t.variants))
                     for t in transitions
                 )
                 for state, transitions in self.transitions.items()
@@ -106,11 +105,11 @@ def region_costs(chain: Chain) -> RegionCosts:
     return RegionCosts(chain, max_region_nodes=longest)
 
 
-def _policies(chain: Chain, start: int, stop: int, blocked_before: list[int]) -> list[RegionPolicy]:
+def _policies(chain: Chain, start: int, stop: int, rule: CheckpointRule) -> list[RegionPolicy]:
     """Stored regions span one step between boundaries (a stored run costs what its steps cost one by
-    one); checkpointed ones any ladder reach over checkpointable nodes."""
+    one); checkpointed ones any ladder reach that the checkpoint rule allows."""
     policies = [RegionPolicy.STORE] if chain.next_boundary[start] == stop else []
-    if blocked_before[stop] == blocked_before[start]:
+    if rule.allows(chain.graph, start, stop):
         policies.append(RegionPolicy.CHECKPOINT)
     return policies
 
@@ -133,9 +132,7 @@ def tabulate(costs: RegionCosts) -> CostTable:
     boundary never drops them.
     """
     chain = costs.chain
-    blocked_before = [0]
-    for node in chain.graph.nodes:
-        blocked_before.append(blocked_before[-1] + (not node.checkpointable))
+    rule = CheckpointRule.of(chain.graph)
     states_at: dict[int, dict[frozenset[str], None]] = {position: {} for position in chain.boundaries}
     for position, held in _stored_path(costs):
         states_at[position][held] = None
@@ -145,7 +142,7 @@ def tabulate(costs: RegionCosts) -> CostTable:
         for held_in in list(states_at[start]):
             found = []
             for stop in chain.checkpoint_stops[start]:
-                for policy in _policies(chain, start, stop, blocked_before):
+                for policy in _policies(chain, start, stop, rule):
                     region = Region(start, stop, policy)
                     held_out = costs.held_out(region, held_in)
                     if held_out not in states_at[stop]:
@@ -255,7 +252,7 @@ def _thin(frontier: _Partials) -> _Partials:
     return frontier.take(chosen)
 
 
-def _extend(sources: _Partials, cost: RegionSummary, limit_bytes: float) -> _Partials:
+def _extend(sources: _Partials, cost: RegionCostSummary, limit_bytes: float) -> _Partials:
     """Each source followed by a region of `cost` while the region's peak stays within `limit_bytes`.
 
     Sources are sorted by retained bytes, so those that fit form a prefix. The result's ids are its
@@ -316,17 +313,6 @@ def _total_ms(chain: Chain) -> float:
     return sum(node.forward_ms for node in chain.graph.nodes)
 
 
-def _merge_stored(regions: list[Region]) -> list[Region]:
-    """Adjacent STORE regions are one region: fewer submodules, same memory."""
-    merged: list[Region] = []
-    for region in regions:
-        if merged and merged[-1].policy is RegionPolicy.STORE and region.policy is RegionPolicy.STORE:
-            merged[-1] = Region(merged[-1].start, region.stop, RegionPolicy.STORE)
-        else:
-            merged.append(region)
-    return merged
-
-
 @dataclass(frozen=True)
 class DpResult:
     schedule: Schedule
@@ -347,7 +333,7 @@ def least_recompute(chain: Chain, table: CostTable, *, activation_budget_bytes: 
     )
     if found is None:
         return None
-    schedule = Schedule(regions=tuple(_merge_stored(found.regions)), solver="dp")
+    schedule = Schedule(regions=merge_stored(found.regions), solver="dp")
     return DpResult(schedule=schedule, recompute_ms=found.recompute_ms, exact=found.exact)
 
 
@@ -355,4 +341,4 @@ def min_peak_schedule(chain: Chain, table: CostTable) -> Schedule:
     """The schedule with the lowest activation-side peak (least recompute among equals)."""
     found = _search(table, limit_bytes=float("inf"), objective=Objective.PEAK, total_ms=_total_ms(chain))
     assert found is not None, "an unconstrained search always finds the store-everything schedule"
-    return Schedule(regions=tuple(_merge_stored(found.regions)), solver="dp")
+    return Schedule(regions=merge_stored(found.regions), solver="dp")

@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from planner.ir import Region, RegionPolicy, Schedule
+from planner.ir import Region, RegionPolicy, Schedule, merge_stored
 from planner.simulate import recompute_trigger, replay_stop, selective_overhead_ms
-from planner.solvers.chain import Chain, RegionCost, RegionSummary, State, keep_effect
+from planner.solvers.chain import Chain, RegionCost, RegionCostSummary, State, keep_effect
 from planner.solvers.dp import CostTable, least_recompute
 from planner.solvers.region_costs import RegionCosts
 
@@ -87,6 +87,7 @@ def keepable(chain: Chain) -> list[int]:
         index
         for index, node in enumerate(chain.graph.nodes)
         if node.checkpointable
+        and not node.part_of  # a split call's parts run as Python code: nothing to mark (NOTE [split calls])
         and node.allocated_bytes > 0
         and node.forward_ms > 0
         and not (node.random or node.stateful or node.in_place)
@@ -163,7 +164,7 @@ def _keep_order(chain: Chain, edge: _Edge) -> list[int]:
     return sorted(edge.keep_points, key=lambda k: (-nodes[k].forward_ms / max(1, edge.keep_charged[k]), k))
 
 
-def _variants(chain: Chain, edge: _Edge, *, relaxed: bool) -> tuple[RegionSummary, ...]:
+def _variants(chain: Chain, edge: _Edge, *, relaxed: bool) -> tuple[RegionCostSummary, ...]:
     """The region without keeps, then one variant per number m of keeps.
 
     Exact (`relaxed=False`): the first m allowed keeps in `_keep_order`, costed exactly (each point is
@@ -173,7 +174,7 @@ def _variants(chain: Chain, edge: _Edge, *, relaxed: bool) -> tuple[RegionSummar
     does better in any term, so the least recompute over relaxed variants bounds the ilp's optimum.
     """
     base = np.array(edge.cost.points_bytes, dtype=np.int64)
-    variants = [RegionSummary(int(base.max()), edge.cost.charged_bytes, edge.cost.recompute_ms)]
+    variants = [RegionCostSummary(int(base.max()), edge.cost.charged_bytes, edge.cost.recompute_ms)]
     if not edge.keep_points:
         return tuple(variants)
     keeping_ms = edge.cost.recompute_ms + edge.selective_ms
@@ -191,7 +192,7 @@ def _variants(chain: Chain, edge: _Edge, *, relaxed: bool) -> tuple[RegionSummar
     )
     for m in range(len(order)):
         variants.append(
-            RegionSummary(
+            RegionCostSummary(
                 peak_bytes=int(points[m].max()),
                 charged_bytes=edge.cost.charged_bytes + int(charged_sums[m]),
                 recompute_ms=max(0.0, keeping_ms - float(saved_sums[m])),
@@ -415,10 +416,4 @@ def _decode(edges: list[_Edge], use: list[Any], keep: dict[int, Any], solver: An
             kept = tuple(k for k in edge.keep_points if solver.value(keep[k]))
             regions.append(Region(edge.region.start, edge.region.stop, edge.region.policy, kept))
     regions.sort(key=lambda region: region.start)
-    merged: list[Region] = []
-    for region in regions:
-        if merged and merged[-1].policy is RegionPolicy.STORE and region.policy is RegionPolicy.STORE:
-            merged[-1] = Region(merged[-1].start, region.stop, RegionPolicy.STORE)
-        else:
-            merged.append(region)
-    return Schedule(regions=tuple(merged), solver="ilp")
+    return Schedule(regions=merge_stored(regions), solver="ilp")

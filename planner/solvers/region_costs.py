@@ -11,8 +11,14 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from planner.ir import Region, RegionPolicy
-from planner.simulate import held_storages, recompute_trigger, region_inputs, replay_stop
-from planner.solvers.chain import Chain, RegionCost, RegionSummary, local_cost, storage_bytes
+from planner.simulate import (
+    checkpoint_overhead_ms,
+    held_storages,
+    recompute_trigger,
+    region_inputs,
+    replay_stop,
+)
+from planner.solvers.chain import Chain, RegionCost, RegionCostSummary, local_cost, storage_bytes
 
 __all__ = ["RegionCosts"]
 
@@ -58,8 +64,10 @@ class RegionCosts:
         interned: dict[Hashable, int] = {}
         self.node_keys = [interned.setdefault(self._node_key(i), len(interned)) for i in range(len(nodes))]
         self.forward_ms_before = [0.0]
+        self.operators_before = [0]
         for node in nodes:
             self.forward_ms_before.append(self.forward_ms_before[-1] + node.forward_ms)
+            self.operators_before.append(self.operators_before[-1] + node.operator_count)
         self._shapes: dict[Hashable, _Shape] = {}
         self._inputs: dict[tuple[int, int], frozenset[str]] = {}
         self._held: dict[tuple[int, int, RegionPolicy], frozenset[str]] = {}
@@ -144,11 +152,16 @@ class RegionCosts:
         passing = self.chain.crossing[region.start] - self.inputs(region.start, region.stop) - held_in
         return shape, storage_bytes(self.chain, passing)
 
+    def _overhead_ms(self, region: Region) -> float:
+        operators = self.operators_before[region.stop] - self.operators_before[region.start]
+        return checkpoint_overhead_ms(self.chain.graph, region, operators)
+
     def _recompute_ms(self, region: Region, shape: _Shape) -> float:
+        call_ms = self._overhead_ms(region)
         if shape.trigger_offset is None:
-            return 0.0
+            return call_ms
         replayed_to = replay_stop(self.chain.graph, region.start + shape.trigger_offset)
-        return self.forward_ms_before[replayed_to] - self.forward_ms_before[region.start]
+        return call_ms + self.forward_ms_before[replayed_to] - self.forward_ms_before[region.start]
 
     def cost(self, region: Region, *, held_in: frozenset[str]) -> RegionCost:
         """`region_cost(chain, region, held_in=...)`, from its shape when one was costed: the backward
@@ -159,7 +172,7 @@ class RegionCosts:
         points = tuple(point + passing for point in shape.cost.points_bytes[:forward_count]) + tuple(
             point + shift for point in shape.cost.points_bytes[forward_count:]
         )
-        recompute_ms = 0.0
+        recompute_ms = self._overhead_ms(region)
         if shape.trigger_offset is not None:
             replayed_to = replay_stop(self.chain.graph, region.start + shape.trigger_offset)
             for node in self.chain.graph.nodes[region.start : replayed_to]:
@@ -171,14 +184,14 @@ class RegionCosts:
             held_out=self.held_out(region, held_in),
         )
 
-    def summary(self, region: Region, *, held_in: frozenset[str]) -> RegionSummary:
+    def summary(self, region: Region, *, held_in: frozenset[str]) -> RegionCostSummary:
         """`region_cost(chain, region, held_in=...)` summarised, shared across one structure.
 
         Recompute is a difference of running sums, so it may differ from `region_cost`'s in the last
         bits of the float.
         """
         shape, passing = self._costed_shape(region, held_in)
-        return RegionSummary(
+        return RegionCostSummary(
             peak_bytes=max(
                 shape.forward_peak_bytes + passing,
                 shape.backward_peak_bytes + self._later_gradient_bytes(region.stop),

@@ -7,6 +7,7 @@ keep their own).
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,12 +16,16 @@ from planner.measurement import default_loss
 
 
 def step_gradients(
-    module: torch.nn.Module, inputs: tuple[Any, ...], *, seed: int = 1234
+    module: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    seed: int = 1234,
 ) -> dict[str, torch.Tensor]:
     """Loss and parameter gradients of forward and backward on a copy of `module` under a fixed seed."""
     module = copy.deepcopy(module)
     torch.manual_seed(seed)
-    loss = default_loss(module(*inputs))
+    loss = default_loss(module(*inputs, **(kwargs or {})))
     loss.backward()
     gradients = {name: p.grad.detach().clone() for name, p in module.named_parameters() if p.grad is not None}
     return {"loss": loss.detach(), **gradients}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from planner.ir import ActivationGraph, Node, StaticBytes
+from planner.ir import GLUE_OP, ActivationGraph, Node, StaticBytes
 
 MIB = 2**20
 
@@ -168,3 +168,18 @@ def random_dag(rng: random.Random, length: int) -> ActivationGraph:
         capture="synthetic",
         optimizer="adam",
     )
+
+
+def with_split_call(graph: ActivationGraph, start: int, stop: int, caller: str = "mixer") -> ActivationGraph:
+    """`graph` with nodes [start, stop) made the parts of one split call (NOTE [split calls] in
+    simulate.py): glue at even offsets, child calls between them."""
+    nodes = list(graph.nodes)
+    for offset, index in enumerate(range(start, stop)):
+        glue = offset % 2 == 0
+        nodes[index] = dataclasses.replace(
+            nodes[index],
+            op=GLUE_OP if glue else "child",
+            module_path=caller if glue else f"{caller}.child{offset // 2}",
+            part_of=caller,
+        )
+    return dataclasses.replace(graph, nodes=tuple(nodes))

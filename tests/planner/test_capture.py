@@ -32,7 +32,8 @@ def test_untraceable_submodule_is_kept_opaque_and_planned() -> None:
     captured = capture(model)
     assert captured.opaque_modules and captured.path.startswith("fx (opaque:")
     plan = planner.optimize(model, inputs, budget_bytes=2**40)
-    assert plan.capture == captured.path
+    # its branch on the input's sign never changes which children it calls (NOTE [split calls])
+    assert plan.capture == f"fx (planned by children: {', '.join(captured.opaque_modules)})"
 
 
 def test_control_flow_in_the_root_forward_names_the_construct() -> None:

@@ -9,7 +9,14 @@ from synthetic_graphs import MIB, chain_graph
 
 from planner.ir import Phase, Region, RegionPolicy, Schedule
 from planner.plan import Plan
-from planner.plots import pareto_figure, plot_pareto, plot_timeline, timeline_figure, timeline_positions
+from planner.plots import (
+    capacity_figure,
+    pareto_figure,
+    plot_pareto,
+    plot_timeline,
+    timeline_figure,
+    timeline_positions,
+)
 from planner.simulate import simulate, store_everything
 
 
@@ -127,3 +134,16 @@ def test_pareto_has_axes_frontier_baselines_budget_and_the_chosen_plan() -> None
     assert {"no checkpointing", "sqrt(n) segments", "plan for the budget"} <= set(labels)
     offsets = {tuple(c.get_offsets()[0]) for c in axes.collections if c.get_label() == "sqrt(n) segments"}
     assert offsets == {(35.0, 30.0)}
+
+
+def test_capacity_figure_labels_every_bar_with_none_and_at_least() -> None:
+    gib = 2**30
+    points = [(16 * gib, None, 3), (24 * gib, 2, 9), (80 * gib, 12, 64)]
+    figure = capacity_figure(points, dimension="batch", top=64, title="Largest batch")
+    axes = figure.axes[0]
+    labels = [text.get_text() for text in axes.texts]
+    assert labels == ["none", "2", "12", "3", "9", "≥64"]
+    assert [tick.get_text() for tick in axes.get_xticklabels()] == ["16 GiB", "24 GiB", "80 GiB"]
+    assert axes.get_ylabel() == "largest batch that fits (predicted)"
+    with pytest.raises(ValueError, match="at least one"):
+        capacity_figure([], dimension="batch", top=1, title="")

@@ -26,7 +26,7 @@ def checkpoint_everything(model: nn.Module, inputs: tuple[torch.Tensor, ...]) ->
         regions=(Region(0, count - 1, RegionPolicy.CHECKPOINT), Region(count - 1, count, RegionPolicy.STORE)),
         solver="test",
     )
-    return rewrite(model, captured.graph_module, graph, schedule)
+    return rewrite(model, captured, graph, schedule)
 
 
 def test_input_without_grad_never_freezes_the_first_weights() -> None:

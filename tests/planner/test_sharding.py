@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import planner
-from planner.planning import fsdp_unit_bytes
+from planner.profiling import fsdp_unit_bytes
 from planner.zoo import build_model
 from planner.zoo_real import build_call
 

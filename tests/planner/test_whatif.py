@@ -1,4 +1,5 @@
-"""Hand-made schedules (seed threads 000, 001, 003) on synthetic chains: their shapes and their peaks."""
+"""Hand-made schedules (the zoo's seed000, seed001, seed003 reports) on synthetic chains: their shapes and
+their peaks."""
 
 from __future__ import annotations
 

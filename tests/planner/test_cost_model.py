@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import planner
-from planner.graph_build import _moved_bytes
-from planner.profile import DEVICES, DeviceSpec, analytic_forward_ms, device_spec
+from planner.cost_model import DEVICES, DeviceSpec, analytic_forward_ms, device_spec
+from planner.profiling_records import moved_bytes
 from planner.zoo import build_model
 
 
@@ -100,10 +100,10 @@ def test_pareto_frontier_from_one_profile_falls_and_plots(tmp_path) -> None:  # 
 
 def test_a_view_moves_no_bytes_and_a_copy_moves_what_it_reads_and_writes() -> None:
     x = torch.zeros(4, 8, device="meta")
-    assert _moved_bytes((x,), x.transpose(0, 1)) == 0
-    assert _moved_bytes((x,), (x.unflatten(1, (2, 4)), x[0])) == 0
-    assert _moved_bytes((x,), x.transpose(0, 1).contiguous()) == 2 * x.numel() * x.element_size()
-    assert _moved_bytes((x,), (x.view(32), x + 1)) == x.numel() * x.element_size() * 3
+    assert moved_bytes((x,), x.transpose(0, 1)) == 0
+    assert moved_bytes((x,), (x.unflatten(1, (2, 4)), x[0])) == 0
+    assert moved_bytes((x,), x.transpose(0, 1).contiguous()) == 2 * x.numel() * x.element_size()
+    assert moved_bytes((x,), (x.view(32), x + 1)) == x.numel() * x.element_size() * 3
 
 
 def test_random_operators_write_at_the_random_number_rate() -> None:
@@ -114,3 +114,12 @@ def test_random_operators_write_at_the_random_number_rate() -> None:
     assert drawn_ms == pytest.approx(streamed_ms * cpu.memory_bytes_per_s / cpu.random_bytes_per_s)
     h100 = DEVICES["h100"]
     assert analytic_forward_ms(0, 10**9, h100, random=True) == analytic_forward_ms(0, 10**9, h100)
+
+
+def test_cards_named_with_their_memory_carry_it() -> None:
+    assert device_spec("a100-40gb").memory_bytes == 40 * 2**30
+    assert device_spec("h100-80gb").memory_bytes == device_spec("a100-80gb").memory_bytes == 80 * 2**30
+    assert device_spec("rtx4090").memory_bytes == 24 * 2**30
+    assert device_spec("a100").memory_bytes is None  # 40 or 80 GiB: the name does not say
+    with pytest.raises(ValueError, match="memory_bytes must be positive"):
+        device_spec(DeviceSpec("broken", flops_per_s=1, memory_bytes_per_s=1, overhead_ms=0, memory_bytes=0))

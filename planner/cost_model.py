@@ -11,11 +11,18 @@ FLOPs come from `torch.utils.flop_counter` (matmuls, convolutions, attention); o
 count are memory-bound and priced by the bytes they read and write (none for a view); random
 operators (dropout) write at the device's random-number rate. The peak rates are datasheet
 figures (dense, no sparsity), so absolute times are optimistic; the planner only needs their ratios.
+
+A card named with its memory (`"a100-40gb"`, `"h100-80gb"`, `"rtx4090"`) also carries that memory,
+which `planner.capacity` takes as the budget. It is the nominal size in GiB (an "80 GB" card has 80 GiB
+of memory); the driver and the CUDA context keep a few hundred MiB of it, and the caching allocator
+rounds, so leave headroom (pass `budget_gb`) when you plan to the last byte.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from planner.errors import GIB
 
 __all__ = ["BACKWARD_FACTOR", "DEVICES", "DeviceSpec", "analytic_forward_ms", "device_spec"]
 
@@ -42,11 +49,31 @@ class DeviceSpec:
     selective_op_overhead_ms: float = 0.025
     """Host time a selective checkpoint policy adds per operator (its Python callback in forward and
     replay), as measured on this project's CPU; `selective_cost.py` measures it when times are."""
+    checkpoint_call_ms: float = 0.1
+    """Host time one checkpoint call adds beyond its replay (RNG state, replay set-up), an estimate
+    near this project's CPU's; `selective_cost.py` measures it when times are measured."""
+    checkpoint_op_ms: float = 0.015
+    """Host time checkpoint's saved-tensor hooks add per operator of a checkpointed region (estimate)."""
+    memory_bytes: int | None = None
+    """The device's memory (nominal, see above), or None where the name does not fix it ("a100" comes
+    with 40 or 80 GiB, "h100" with 80 or 94, a CPU has what the machine has)."""
 
+
+_H100 = DeviceSpec("h100", flops_per_s=989e12, memory_bytes_per_s=3.35e12, overhead_ms=0.005)
+_A100 = DeviceSpec("a100", flops_per_s=312e12, memory_bytes_per_s=2.0e12, overhead_ms=0.005)
 
 DEVICES: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec("h100", flops_per_s=989e12, memory_bytes_per_s=3.35e12, overhead_ms=0.005),
-    "a100": DeviceSpec("a100", flops_per_s=312e12, memory_bytes_per_s=2.0e12, overhead_ms=0.005),
+    "h100": _H100,
+    "h100-80gb": replace(_H100, name="h100-80gb", memory_bytes=80 * GIB),
+    "a100": _A100,
+    "a100-40gb": replace(_A100, name="a100-40gb", memory_bytes_per_s=1.555e12, memory_bytes=40 * GIB),
+    "a100-80gb": replace(_A100, name="a100-80gb", memory_bytes_per_s=2.039e12, memory_bytes=80 * GIB),
+    "l40s": DeviceSpec(
+        "l40s", flops_per_s=362e12, memory_bytes_per_s=0.864e12, overhead_ms=0.005, memory_bytes=48 * GIB
+    ),
+    "rtx4090": DeviceSpec(
+        "rtx4090", flops_per_s=165e12, memory_bytes_per_s=1.008e12, overhead_ms=0.005, memory_bytes=24 * GIB
+    ),
     "cpu": DeviceSpec(
         "cpu",
         flops_per_s=100e9,
@@ -56,13 +83,17 @@ DEVICES: dict[str, DeviceSpec] = {
         device_type="cpu",
     ),
 }
+"""Datasheet rates: bf16 dense tensor-core throughput with fp32 accumulation (the RTX 4090's is half its
+fp16-accumulate figure) and memory bandwidth (SXM parts for H100 and A100)."""
 
 
 def device_spec(device: str | DeviceSpec) -> DeviceSpec:
-    """A named device (`"h100"`, `"a100"`, `"cpu"`) or a spec given by hand."""
+    """A named device (`"h100"`, `"a100-40gb"`, `"rtx4090"`, `"cpu"`, ...) or a spec given by hand."""
     if isinstance(device, DeviceSpec):
         if device.flops_per_s <= 0 or device.memory_bytes_per_s <= 0 or device.overhead_ms < 0:
             raise ValueError(f"a DeviceSpec needs positive rates and a non-negative overhead, got {device}")
+        if device.memory_bytes is not None and device.memory_bytes <= 0:
+            raise ValueError(f"a DeviceSpec's memory_bytes must be positive or None, got {device}")
         return device
     if device not in DEVICES:
         raise ValueError(

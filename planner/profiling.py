@@ -1,0 +1,549 @@
+"""`profile`: a model's training step captured and measured once, then planned at any budget.
+
+Why it exists: every way to plan a model (`optimize`, `pareto`, `Plan.replan`, the CLI, the service
+client) needs the same three things: the captured model (capture.py, or the module level when no
+graph can be captured), the activation graph of one profiled training step (graph_build.py or
+module_level.py, then sharded and extended to the step the user runs), and a way to rewrite the model
+for any schedule of that graph (rewrite.py). A `Profile` holds them, so each path is "profile, then
+solve, then rewrite", and none keeps a copy of the capture chain that could drift from the others
+(the service client once did, and lost the export fallback). Solving a profile again costs no
+profiling run, so plans compared on one profile rest on the same measured node times.
+
+    profile = planner.profile(model, example_inputs, optimizer="adam")
+    plan = profile.plan(budget_gb=8)                      # or profile.pareto(points=8)
+    plan = profile.apply(client.plan_graph(profile.graph, budget_bytes=...))   # solved elsewhere
+
+A profile also predicts a plan's peak at other input shapes (`predicted_peak_bytes`): the model's
+graph is built again at those shapes on the meta device, as the profiled one was built on real
+tensors (graphs built on meta equal real ones byte for byte), and the plan's regions are carried over
+to it (NOTE [carried regions] in shapes.py). Nothing of the model's size is allocated and nothing runs
+for real, so a model whose forward reads tensor values (data-dependent routing, a root that branches
+on a value) cannot be predicted this way and says so.
+
+NOTE [larger shapes]: a budget is made for the example call. Smaller calls (a short last batch,
+shorter sequences) fit it: every tensor is at most as large, the plan's regions are the same, and the
+static memory does not change (a test measures half the batch and half the sequence on every zoo
+family). A larger call may not fit, so a planned module warns once, at its first training call with a
+tensor longer in some dimension than the example's, with the predicted peak at that call's shapes.
+Plan with your largest batch and longest sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from planner.capture import Capture, call_shapes, candidate_units, capture
+from planner.cost_model import DeviceSpec, device_spec
+from planner.errors import GIB, LargerShapeWarning, UnsupportedModel, format_bytes
+from planner.graph_build import LOSS_NODE, build_activation_graph
+from planner.ir import GLUE_OP, ActivationGraph, Schedule, TrainingStep
+from planner.measurement import OptimizerSpec, default_loss, tensors_in
+from planner.module_level import capture_model_call, rewrite_units
+from planner.plan import Plan
+from planner.rewrite import (
+    AUTOCAST_DEVICES,
+    add_forward_pre_hook,
+    fully_sharded_modules,
+    guard_gradients,
+    rewrite,
+)
+from planner.shapes import (
+    align_names,
+    carry_schedule,
+    constants_on_meta,
+    is_larger,
+    meta_copy,
+    outside_modes,
+)
+from planner.sharding import Sharding, shard_graph
+from planner.simulate import for_training_step, simulate
+from planner.solving import Frontier, pareto_frontier, plan_graph
+
+__all__ = [
+    "FSDP_CAPTURE_NOTE",
+    "FSDP_UNITS_REASON",
+    "Profile",
+    "ProfileSettings",
+    "budget_bytes_of",
+    "example_call",
+    "fsdp_unit_bytes",
+    "profile",
+    "training_step_of",
+]
+
+log = logging.getLogger(__name__)
+
+FSDP_UNITS_REASON = "sharding='fsdp' plans by submodules, so that fully_shard's units run as module calls"
+"""Why FSDP plans skip FX and torch.export (see NOTE [FSDP2] in rewrite.py)."""
+FSDP_CAPTURE_NOTE = "fsdp units"
+"""Appended to `Plan.capture` of a plan made for FSDP: "module (fsdp units)"."""
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """The arguments of `profile` that shaped the graph, besides the model and its example call."""
+
+    optimizer: OptimizerSpec
+    step: TrainingStep
+    loss_fn: Callable[[Any], torch.Tensor]
+    cost_model: str
+    device: str | DeviceSpec | None
+    world_size: int
+    sharding: Sharding
+    autocast: tuple[tuple[str, torch.dtype], ...] = ()
+    """The autocast blocks (device type, dtype) the profile was made in: its graph's precision."""
+
+
+def _autocast_now() -> tuple[tuple[str, torch.dtype], ...]:
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
+
+
+@contextlib.contextmanager
+def _autocast(blocks: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+    """Exactly the given autocast blocks, whatever the caller's."""
+    with contextlib.ExitStack() as stack:
+        current = _autocast_now()
+        if current != blocks:
+            for device, _ in current:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            for device, dtype in blocks:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield
+
+
+@dataclass(frozen=True, eq=False)
+class Profile:
+    """One profiled training step of `model`: everything a plan at any budget needs.
+
+    `graph` is what the solvers take (sharded and extended to `settings.step`); `capture` is the
+    captured graph the rewriter fuses regions in, or None for a model planned by its submodules
+    (`graph.capture` starts with "module"). The model is shared, not copied: a plan's module shares its
+    parameters, and changing the model's structure after profiling invalidates the profile.
+    """
+
+    model: torch.nn.Module
+    example_args: tuple[Any, ...]
+    example_kwargs: Mapping[str, Any]
+    capture: Capture | None
+    profiled_graph: ActivationGraph
+    """The graph of one micro-batch as profiled, before sharding and the training step."""
+    graph: ActivationGraph
+    settings: ProfileSettings
+
+    def plan(
+        self, *, budget_gb: float | None = None, budget_bytes: int | None = None, solver: str = "auto"
+    ) -> Plan:
+        """The plan with the least predicted recompute whose predicted peak fits the budget, with its
+        module. Raises `InfeasibleBudget` (with the lowest achievable peak) when none fits."""
+        budget = budget_bytes_of(budget_gb, budget_bytes)
+        return self.apply(plan_graph(self.graph, budget_bytes=budget, solver=solver))
+
+    def pareto(
+        self, *, points: int = 8, budgets_bytes: Sequence[int] | None = None, solver: str = "auto"
+    ) -> Frontier:
+        """Predicted (peak, recompute) at `budgets_bytes`, or at `points` budgets from the lowest
+        achievable peak to the peak without checkpointing. `frontier.plot(path)` draws it."""
+        return pareto_frontier(self.graph, budgets_bytes=budgets_bytes, points=points, solver=solver)
+
+    def apply(self, plan: Plan) -> Plan:
+        """Give `plan` (solved for `self.graph`, here or by a service) the rewritten module; returns it."""
+        if plan.graph is not self.graph and plan.graph != self.graph:
+            raise ValueError(
+                "this plan was solved for another graph than this profile's; solve profile.graph "
+                "(profile.plan(...), or PlannerClient.plan_graph(profile.graph, ...)) and apply that plan"
+            )
+        plan.module = self.rewrite(plan.schedule, budget_bytes=plan.budget_bytes)
+        plan.profile = self
+        return plan
+
+    def rewrite(self, schedule: Schedule, *, budget_bytes: int | None = None) -> torch.nn.Module:
+        """The model, checkpointed as `schedule` (a schedule of `self.graph`) says. It warns once when
+        it trains on inputs larger than the example's (`LargerShapeWarning`, with the predicted peak
+        at them, against `budget_bytes`)."""
+        if self.capture is None:
+            module = rewrite_units(self.model, self.graph, schedule)
+        else:
+            module = rewrite(self.model, self.capture, self.graph, schedule)
+        module = guard_gradients(module, self.settings.step)
+        add_forward_pre_hook(module, _LargerCallWarning(self, schedule, budget_bytes), with_kwargs=True)
+        return module
+
+    def predicted_peak_bytes(
+        self, schedule: Schedule, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> int:
+        """Predicted peak of the training step under `schedule` (a schedule of `self.graph`) when each
+        micro-batch is `model(*args, **kwargs)`, from the graph built at those shapes on the meta
+        device (see the module docstring). Raises `UnsupportedModel` when it cannot be built there."""
+        graph, matched = self._graph_at(tuple(args), dict(kwargs))
+        return simulate(graph, carry_schedule(schedule, self.graph, graph, matched)).peak_bytes
+
+    def _graph_at(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[ActivationGraph, dict[str, str]]:
+        """The solve-ready graph at the call's shapes, and its node names by the profiled graph's."""
+        settings = self.settings
+        try:
+            with outside_modes(), _autocast(settings.autocast):
+                meta_model = meta_copy(self.model)
+                meta_args, meta_kwargs = _on_meta((args, kwargs))
+                if self.capture is None:
+                    captured = capture_model_call(meta_model, meta_args, meta_kwargs)
+                else:
+                    captured = capture(meta_model, meta_args, meta_kwargs)
+                    constants_on_meta(captured.graph_module)
+                graph = build_activation_graph(
+                    captured,
+                    meta_model,
+                    captured.inputs,
+                    loss_fn=settings.loss_fn,
+                    optimizer=None,
+                    step=settings.step,
+                    cost_model="analytic",
+                    device=device_spec("cpu"),
+                )
+                if self.capture is None:
+                    matched = {node.name: node.name for node in self.profiled_graph.nodes}
+                else:
+                    matched = align_names(self.capture.graph_module.graph, captured.graph_module.graph)
+        except UnsupportedModel:
+            raise
+        except Exception as error:  # noqa: BLE001 - a forward that needs values cannot run on meta
+            raise UnsupportedModel(
+                f"cannot predict the peak of {type(self.model).__name__} at tensor shapes "
+                f"{call_shapes(args, kwargs)} without running it: its forward does not run on the meta "
+                f"device ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                "measure a copy instead: planner.measure(copy.deepcopy(plan.module), inputs)"
+            ) from error
+        # Parameters, buffers and the end of the step (the optimizer's) do not depend on the inputs'
+        # shapes: they are the profile's.
+        static = dataclasses.replace(
+            self.profiled_graph.static,
+            input_bytes=graph.static.input_bytes,
+            gradient_bytes=graph.static.gradient_bytes,
+        )
+        graph = dataclasses.replace(graph, static=static, optimizer=self.profiled_graph.optimizer)
+        matched = {old: new for old, new in matched.items() if old != LOSS_NODE} | {LOSS_NODE: LOSS_NODE}
+        return _for_settings(graph, self.model, settings), matched
+
+
+def _on_meta(values: Any) -> Any:
+    """`values` with every tensor replaced by one on the meta device with its shape, strides and
+    storage: a tensor passed twice (`input_ids` as `labels`) or a slice of a larger batch holds the
+    memory it holds for real. An input that requires grad becomes a leaf of its own."""
+    copies: dict[int, torch.Tensor] = {}
+    storages: dict[int, torch.UntypedStorage] = {}
+
+    def on_meta(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) in copies:
+            return copies[id(value)]
+        if value.requires_grad:
+            meta = torch.empty_like(value, device="meta").requires_grad_()
+        else:
+            storage = value.untyped_storage()
+            if id(storage) not in storages:
+                base = torch.empty(storage.nbytes(), dtype=torch.uint8, device="meta")
+                storages[id(storage)] = base.untyped_storage()
+            meta = torch.empty(0, dtype=value.dtype, device="meta")
+            meta.set_(storages[id(storage)], value.storage_offset(), value.shape, value.stride())
+        copies[id(value)] = meta
+        return meta
+
+    return tree_map(on_meta, values)
+
+
+class _LargerCallWarning:
+    """Forward pre-hook of a planned module: warns once, at the first training call with inputs larger
+    than the example's, with the predicted peak at that call's shapes (NOTE [larger shapes])."""
+
+    def __init__(self, profile: Profile, schedule: Schedule, budget_bytes: int | None) -> None:
+        self.profile = profile
+        self.schedule = schedule
+        self.budget_bytes = budget_bytes
+        self.example_shapes = call_shapes(profile.example_args, profile.example_kwargs)
+        self.warned = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _LargerCallWarning:
+        """A copy of a planned module warns once too; the prediction only reads the profile."""
+        return _LargerCallWarning(self.profile, self.schedule, self.budget_bytes)
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.warned or not (module.training and torch.is_grad_enabled()):
+            return
+        shapes = call_shapes(args, kwargs)
+        if not is_larger(self.example_shapes, shapes):
+            return
+        self.warned = True
+        warnings.warn(self._message(args, kwargs, shapes), LargerShapeWarning, stacklevel=3)
+
+    def _message(self, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Any) -> str:
+        try:
+            peak_bytes = self.profile.predicted_peak_bytes(self.schedule, args, kwargs)
+        except UnsupportedModel as error:
+            predicted = f"its peak there is not predicted: {error}"
+        else:
+            predicted = f"predicted peak {format_bytes(peak_bytes)} at them"
+            if self.budget_bytes is not None:
+                spare = self.budget_bytes - peak_bytes
+                where = "within" if spare >= 0 else "over"
+                budget = format_bytes(self.budget_bytes)
+                predicted += f", {format_bytes(abs(spare))} {where} the budget of {budget}"
+        return (
+            f"plan.module was planned for an example call with tensor shapes {self.example_shapes}; this "
+            f"training call is larger, {shapes}: {predicted}. The budget holds for the example and every "
+            "smaller call: plan with your largest batch and longest sequence. (Warned once; "
+            "plan.predicted_peak_bytes_for(*inputs, **kwargs) predicts any shape.)"
+        )
+
+
+def profile(
+    model: torch.nn.Module,
+    example_inputs: Any = (),
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    optimizer: OptimizerSpec = "adam",
+    step: TrainingStep | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    cost_model: str = "measured",
+    device: str | DeviceSpec | None = None,
+    world_size: int = 1,
+    sharding: str = "ddp",
+) -> Profile:
+    """Capture `model` and profile one training step of it; plan with `.plan(budget_gb=...)`.
+
+    The arguments are `planner.optimize`'s without the budget and the solver (see its docstring).
+    Raises `UnsupportedModel` when no capture level works, and TypeError/ValueError naming a bad
+    argument. The model is left unchanged.
+    """
+    settings = ProfileSettings(
+        optimizer=optimizer,
+        step=training_step_of(step),
+        loss_fn=loss_fn or default_loss,
+        cost_model=cost_model,
+        device=device,
+        world_size=world_size,
+        sharding=_sharding(world_size, sharding),
+        autocast=_autocast_now(),
+    )
+    _refuse_sharded_model(model)
+    args = example_call(example_inputs, example_kwargs)
+    kwargs = dict(example_kwargs or {})
+    if settings.sharding is Sharding.FSDP and cost_model == "measured":
+        return _profile_units(model, args, kwargs, settings, reason=FSDP_UNITS_REASON)
+    started = time.perf_counter()
+    try:
+        captured = capture(model, args, kwargs)
+    except UnsupportedModel as unsupported:
+        if cost_model != "measured":
+            raise
+        log.info("%s; planning by submodules", unsupported)
+        return _profile_units(model, args, kwargs, settings, reason=str(unsupported))
+    log.info("captured %d nodes by %s", len(captured.graph_module.graph.nodes), captured.path)
+    profiled = build_activation_graph(
+        captured,
+        model,
+        captured.inputs,
+        loss_fn=settings.loss_fn,
+        optimizer=optimizer,
+        step=settings.step,
+        cost_model=cost_model,
+        device=device,
+    )
+    log.info("profiled %d nodes in %.1f s", len(profiled.nodes), time.perf_counter() - started)
+    return Profile(
+        model=model,
+        example_args=args,
+        example_kwargs=kwargs,
+        capture=captured,
+        profiled_graph=profiled,
+        graph=_for_settings(profiled, model, settings),
+        settings=settings,
+    )
+
+
+def _for_settings(
+    profiled: ActivationGraph, model: torch.nn.Module, settings: ProfileSettings
+) -> ActivationGraph:
+    """The profiled graph of one rank's micro-batch, sharded and extended to the training step."""
+    sharded = shard_graph(
+        profiled,
+        world_size=settings.world_size,
+        sharding=settings.sharding,
+        unit_parameter_bytes=fsdp_unit_bytes(model),
+    )
+    return for_training_step(sharded, settings.step)
+
+
+def _profile_units(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    settings: ProfileSettings,
+    *,
+    reason: str,
+) -> Profile:
+    """The module level of the capture chain (module_level.py), used for `reason`."""
+    captured = capture_model_call(model, args, kwargs)
+    profiled = build_activation_graph(
+        captured,
+        model,
+        captured.inputs,
+        loss_fn=settings.loss_fn,
+        optimizer=settings.optimizer,
+        step=settings.step,
+    )
+    _check_units(model, profiled, reason)
+    if settings.sharding is Sharding.FSDP:
+        profiled = dataclasses.replace(profiled, capture=f"{profiled.capture} ({FSDP_CAPTURE_NOTE})")
+    return Profile(
+        model=model,
+        example_args=args,
+        example_kwargs=kwargs,
+        capture=None,
+        profiled_graph=profiled,
+        graph=_for_settings(profiled, model, settings),
+        settings=settings,
+    )
+
+
+def _check_units(model: torch.nn.Module, graph: ActivationGraph, reason: str) -> None:
+    """Raise `UnsupportedModel` (after `reason`) when the module level found no unit to checkpoint."""
+    units = [node for node in graph.nodes if node.part_of and node.op != GLUE_OP]
+    if not units:
+        raise UnsupportedModel(
+            f"{reason}; and at the module level the forward of {type(model).__name__} calls its submodules "
+            f"{candidate_units(model)[:6]} depending on the data (other calls or shapes on other inputs), so "
+            "checkpointing one would move bytes with the data"
+        )
+    if not any(node.checkpointable for node in units):
+        raise UnsupportedModel(
+            f"{reason}; and the module level found no submodule to checkpoint among "
+            f"{[node.module_path for node in units][:6]} (one must be called once per step and carry no "
+            "hooks)"
+        )
+
+
+def budget_bytes_of(budget_gb: float | None, budget_bytes: int | None) -> int:
+    """The checked budget in bytes: exactly one of `budget_gb` (GiB) or `budget_bytes`, positive."""
+    if (budget_gb is None) == (budget_bytes is None):
+        raise ValueError(
+            f"give exactly one of budget_gb (GiB, 2**30 bytes) or budget_bytes; got budget_gb={budget_gb!r}, "
+            f"budget_bytes={budget_bytes!r}"
+        )
+    if budget_gb is not None:
+        if (
+            isinstance(budget_gb, bool)
+            or not isinstance(budget_gb, int | float)
+            or not math.isfinite(budget_gb)
+        ):
+            raise TypeError(f"budget_gb must be a finite number of GiB, got {budget_gb!r}")
+        if budget_gb <= 0:
+            raise ValueError(f"budget_gb must be positive, got {budget_gb!r}")
+        return int(budget_gb * GIB)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+        raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__} {budget_bytes!r}")
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be positive, got {budget_bytes!r}")
+    return budget_bytes
+
+
+def _example_inputs(example_inputs: Any) -> tuple[Any, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, Sequence) and not isinstance(example_inputs, str):
+        if not any(isinstance(value, torch.Tensor) for value in example_inputs):
+            raise TypeError("example_inputs holds no tensor; pass the tensors the model's forward takes")
+        return tuple(example_inputs)
+    raise TypeError(
+        f"example_inputs must be a tensor or a tuple/list of the forward's positional arguments, "
+        f"got {type(example_inputs).__name__}; pass keyword arguments as example_kwargs={{...}}"
+    )
+
+
+def example_call(example_inputs: Any, example_kwargs: Mapping[str, Any] | None) -> tuple[Any, ...]:
+    """Positional example inputs, checked; with keyword inputs, positional ones may be empty."""
+    if example_kwargs is None:
+        return _example_inputs(example_inputs)
+    if not isinstance(example_kwargs, Mapping):
+        raise TypeError(
+            f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}"
+        )
+    if example_inputs is None or (isinstance(example_inputs, Sequence) and len(example_inputs) == 0):
+        if not tensors_in(example_kwargs):
+            raise TypeError("example_kwargs holds no tensor; pass the tensors the model's forward takes")
+        return ()
+    return _example_inputs(example_inputs)
+
+
+def training_step_of(step: TrainingStep | None) -> TrainingStep:
+    """The checked `step` argument: a TrainingStep, or None for one micro-batch."""
+    if step is None:
+        return TrainingStep()
+    if not isinstance(step, TrainingStep):
+        raise TypeError(
+            f"step must be a planner.TrainingStep, got {type(step).__name__} {step!r}; e.g. "
+            "step=planner.TrainingStep(accumulation_steps=4, max_grad_norm=1.0)"
+        )
+    return step
+
+
+def _refuse_sharded_model(model: torch.nn.Module) -> None:
+    """Profiling a model that fully_shard already wraps would plan DTensor shards and run collectives."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    sharded = fully_sharded_modules(model)
+    if sharded:
+        raise UnsupportedModel(
+            f"fully_shard (FSDP2) already wraps {sharded[0] or 'the model'!r}: plan the unsharded model. "
+            "Call plan = planner.optimize(model, ..., sharding='fsdp') first, then fully_shard each block "
+            "of plan.module and plan.module itself."
+        )
+
+
+def _sharding(world_size: int, sharding: str) -> Sharding:
+    """The checked `world_size` and `sharding` arguments."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int (ranks of data parallelism), got {world_size!r}")
+    try:
+        return Sharding(sharding)
+    except ValueError as error:
+        choices = [member.value for member in Sharding]
+        raise ValueError(f"sharding={sharding!r} is not known; use one of {choices}") from error
+
+
+def fsdp_unit_bytes(model: torch.nn.Module) -> int:
+    """Parameter bytes of the largest unit FSDP gathers at once: a block of the model's longest
+    ModuleList/Sequential (where one calls `fully_shard` per block), or the parameters outside the
+    blocks, which the root unit holds (the whole model when it has no block stack)."""
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList | torch.nn.Sequential)]
+    blocks = list(max(stacks, key=len)) if stacks else []
+    seen: set[int] = set()
+    block_bytes = [_parameter_bytes(block, seen) for block in blocks]
+    rest_bytes = _parameter_bytes(model, seen)
+    return max([*block_bytes, rest_bytes])
+
+
+def _parameter_bytes(module: torch.nn.Module, seen: set[int]) -> int:
+    """Bytes of `module`'s parameters not already in `seen` (tied weights count once)."""
+    total = 0
+    for parameter in module.parameters():
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            total += parameter.numel() * parameter.element_size()
+    return total

@@ -1,0 +1,173 @@
+"""What a profiling step records about each node, and the instruments it records with.
+
+Why it exists: the profiling step (graph_build.py) runs the captured graph node by node, and a call the
+capture could not follow runs as parts (split_calls.py); both describe what they ran with the same
+record, name activation storages with the same tracker and count FLOPs and operators with the same
+meters, so the activation graph's nodes mean the same whichever way they were profiled.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from planner.measurement import LiveStorageTracker, tensors_in
+from planner.selective_cost import OperatorCounter
+
+__all__ = [
+    "RANDOM_FUNCTIONS",
+    "RANDOM_MODULES",
+    "Meters",
+    "NodeRecord",
+    "ProfilingTracker",
+    "moved_bytes",
+]
+
+RANDOM_MODULES = (torch.nn.modules.dropout._DropoutNd,)
+RANDOM_FUNCTIONS = {
+    torch.nn.functional.dropout,
+    torch.nn.functional.dropout1d,
+    torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d,
+    torch.nn.functional.alpha_dropout,
+    torch.bernoulli,
+    torch.rand,
+    torch.randn,
+    torch.rand_like,
+    torch.randn_like,
+}
+
+
+@dataclass
+class NodeRecord:
+    """What the measuring step learned about one node."""
+
+    name: str
+    op: str
+    module_path: str
+    inputs: tuple[str, ...]
+    creates: list[str] = field(default_factory=list)
+    reads: list[str] = field(default_factory=list)
+    saves: list[str] = field(default_factory=list)
+    saves_anything: bool = False
+    forward_peak_bytes: int = 0
+    backward_peak_bytes: int | None = None
+    unpack_live_bytes: int | None = None
+    """Live bytes when the node's backward first unpacks a saved tensor (where a replay would run)."""
+    parameter_gradient_bytes: int = 0
+    allocated_bytes: int = 0
+    forward_flops: int = 0
+    moved_bytes: int = 0
+    operator_count: int = 1
+    random: bool = False
+    stateful: bool = False
+    in_place: bool = False
+    checkpointable: bool = True
+    part_of: str = ""
+    mutates: list[str] = field(default_factory=list)
+    """Activation storages among the node's inputs that it wrote in place (their version moved)."""
+
+
+class ProfilingTracker(LiveStorageTracker):
+    """A storage tracker that also names activation storages and remembers which are new."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.static_keys: set[int] = set()
+        self.names: dict[int, str] = {}
+        self.storage_bytes: dict[str, int] = {}
+        self.new_since_mark: list[weakref.ref[torch.UntypedStorage]] = []
+        self.allocated_since_mark_bytes = 0
+        self.on_free: Callable[[str], None] | None = None
+        """Called with a named storage's name when it is freed (set while a split call runs)."""
+
+    def _register(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        fresh = id(storage) not in self._tracked and storage.nbytes() > 0
+        super()._register(tensor)
+        if fresh:
+            self.new_since_mark.append(weakref.ref(storage))
+            self.allocated_since_mark_bytes += storage.nbytes()
+
+    def name_of(self, tensor: torch.Tensor, *, create: bool) -> str | None:
+        """Name of an activation storage (None for static ones); `create` names a new storage."""
+        return self.name_of_storage(tensor.untyped_storage(), create=create)
+
+    def name_of_storage(self, storage: torch.UntypedStorage, *, create: bool) -> str | None:
+        key = id(storage)
+        if key in self.static_keys or storage.nbytes() == 0:
+            return None
+        if key not in self.names:
+            if not create:
+                return None
+            name = f"s{len(self.storage_bytes)}"
+            self.names[key] = name
+            self.storage_bytes[name] = storage.nbytes()
+            weakref.finalize(storage, self._forget, key)
+        return self.names[key]
+
+    def _forget(self, key: int) -> None:
+        name = self.names.pop(key, None)
+        if name is not None and self.on_free is not None:
+            self.on_free(name)
+
+    def fresh_storages(self) -> list[torch.UntypedStorage]:
+        """Storages registered since the last call that are still alive."""
+        alive = [storage for ref in self.new_since_mark if (storage := ref()) is not None]
+        self.new_since_mark = []
+        self.allocated_since_mark_bytes = 0
+        return alive
+
+
+class Meters:
+    """FLOPs and dispatched operators of the code run under it, charged to one node after another."""
+
+    def __init__(self, *, counting: bool) -> None:
+        self.flops = FlopCounterMode(display=False) if counting else None
+        self.operators = OperatorCounter()
+        self.charged_flops = 0
+        self.charged_operators = 0
+        self._stack = ExitStack()
+
+    def __enter__(self) -> Meters:
+        if self.flops is not None:
+            self._stack.enter_context(self.flops)
+            self._stack.enter_context(self.operators)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._stack.close()
+
+    def charge(
+        self, record: NodeRecord, inputs: Any, output: Any, *, glue_moved_bytes: int | None = None
+    ) -> None:
+        """Give `record` what ran since the last charge. Bytes moved are its inputs' and outputs', or
+        `glue_moved_bytes` where there is no such call (a split call's glue)."""
+        if self.flops is None:
+            return
+        flops, operators = self.flops.get_total_flops(), self.operators.count
+        record.forward_flops = flops - self.charged_flops
+        record.operator_count = max(1, operators - self.charged_operators)
+        record.moved_bytes = moved_bytes(inputs, output) if glue_moved_bytes is None else glue_moved_bytes
+        self.charged_flops, self.charged_operators = flops, operators
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes a node reads or writes: each tensor's own elements, views included."""
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
+
+
+def moved_bytes(inputs: Any, output: Any) -> int:
+    """Bytes a node reads and writes; none when every output is a view of an input (a view moves
+    metadata only). Views are recognised by their base, which works on the meta device too."""
+    bases = {id(t._base if t._base is not None else t) for t in tensors_in(inputs)}
+    outputs = tensors_in(output)
+    if outputs and all(t._base is not None and id(t._base) in bases for t in outputs):
+        return 0
+    return _tensor_bytes(inputs) + _tensor_bytes(output)

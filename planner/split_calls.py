@@ -1,0 +1,278 @@
+"""Calls the capture could not follow, profiled as parts so that a plan can checkpoint their children.
+
+Why it exists: FX keeps a module whose forward it cannot trace (Python control flow on tensor values) or
+that carries hooks as one node, and a node is checkpointed whole or not at all. Such a call still calls
+children (the layers of a block with hooks) that could be checkpointed one by one. The profiling step
+runs it with hooks on its children and records parts: the call's own code between child calls (glue)
+and each child call, so that a plan can checkpoint one child, by running it under checkpoint inside a
+copy of the module, or the whole call (NOTE [split calls] in simulate.py).
+
+A call whose children are called depending on the data (a mixture of experts routing tokens by their
+values) is not split: checkpointing one expert would move bytes with the routing from step to step,
+which no profile of one step can bound (`static_split_calls`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_map
+
+from planner.capture import Capture, candidate_units, has_hooks
+from planner.ir import GLUE_OP
+from planner.measurement import tensors_in
+from planner.profiling_records import RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
+
+__all__ = ["MODEL_CALL", "NodeRecorder", "SplitCall", "split_calls", "static_split_calls"]
+
+log = logging.getLogger(__name__)
+
+MODEL_CALL = "_planner_model_call"
+"""The target of the one node of a module-level capture, a call of the whole model (module_level.py):
+its parts carry the model's own module paths, and its own code is never checkpointed."""
+
+
+class NodeRecorder(Protocol):
+    """The profiling interpreter as a split call uses it (graph_build.py)."""
+
+    module: torch.nn.Module
+    tracker: ProfilingTracker | None
+    forward_ms: dict[str, float]
+    current: NodeRecord | None
+
+    def start_node(self, record: NodeRecord) -> None: ...
+
+    def finish_node(self, record: NodeRecord, args: Any, output: Any, *, every_new: bool = False) -> None: ...
+
+    def call_module(self, target: Any, args: Any, kwargs: dict[str, Any]) -> Any: ...
+
+
+class SplitCall:
+    """One call of a module the capture could not follow, profiled as parts: its own code between its
+    children's calls (glue) and each child call, so that a plan can checkpoint one child (a layer of a
+    block with hooks) or the whole call (NOTE [split calls] in simulate.py).
+
+    Forward hooks on the children open and close the parts. Glue creates every new storage still alive
+    when it ends (the call's locals), reads what is freed while it runs and, last, the call's
+    arguments; a child call is recorded like a captured node. Backward is segmented as for captured
+    nodes, by pre-hooks on the grad_fns of what each part hands on (a child's output, the tensors glue
+    passes to the next child).
+    """
+
+    def __init__(
+        self, interpreter: NodeRecorder, node: fx.Node, units: tuple[str, ...], meters: Meters
+    ) -> None:
+        self.interpreter = interpreter
+        self.node = node
+        target = str(node.target)
+        self.module = interpreter.module.get_submodule(target)
+        self.path = "" if target == MODEL_CALL else target
+        """The module path of the call's own code; its children's paths are under it."""
+        self.whole_call_checkpointable = target != MODEL_CALL and not has_hooks(self.module)
+        self.units = units
+        self.hooked = {unit for unit in units if has_hooks(self.module.get_submodule(unit))}
+        """Children with hooks of their own (before this profiler adds its hooks)."""
+        self.meters = meters
+        self.parts: list[NodeRecord] = []
+        self.calls: dict[str, int] = {}
+        self.started = 0.0
+        self.child_call: Any = ()
+        """The arguments of the child call that runs now."""
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tracker = self.interpreter.tracker
+        handles = []
+        for unit in self.units:
+            child = self.module.get_submodule(unit)
+            handles.append(
+                child.register_forward_pre_hook(
+                    lambda _m, a, k, unit=unit: self._before_child(unit, (a, k)), with_kwargs=True
+                )
+            )
+            handles.append(
+                child.register_forward_hook(lambda _m, a, k, out: self._after_child(out), with_kwargs=True)
+            )
+        self._open_glue()
+        if tracker is not None:
+            tracker.on_free = self._freed
+        try:
+            output = self.interpreter.call_module(self.node.target, args, kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+            if tracker is not None:
+                tracker.on_free = None
+        self._close(self.parts[-1], (args, kwargs), output)
+        for part in self.parts:
+            if part.op != GLUE_OP and self.calls[part.module_path] > 1:
+                part.checkpointable = False  # one region would checkpoint several calls
+        return output
+
+    def _open(self, part: NodeRecord) -> None:
+        previous = self.parts[-1].name if self.parts else None
+        part.inputs = (previous,) if previous else tuple(str(a) for a in self.node.all_input_nodes)
+        self.parts.append(part)
+        self.interpreter.start_node(part)
+        self.started = time.perf_counter()
+
+    def _open_glue(self) -> None:
+        glue = sum(part.op == GLUE_OP for part in self.parts)
+        self._open(
+            NodeRecord(
+                name=f"{self.node.name}.glue{glue}",
+                op=GLUE_OP,
+                module_path=self.path,
+                inputs=(),
+                stateful=any(True for _ in self.module.buffers()),
+                checkpointable=self.whole_call_checkpointable,
+                part_of=self.node.name,
+            )
+        )
+
+    def _close(self, part: NodeRecord, inputs: Any, handed_on: Any) -> None:
+        """End `part`; `handed_on` is what it passes to the next part (or returns)."""
+        self.interpreter.forward_ms[part.name] = (time.perf_counter() - self.started) * 1e3
+        tracker = self.interpreter.tracker
+        glue = part.op == GLUE_OP
+        if glue:
+            moved_bytes = 2 * (tracker.allocated_since_mark_bytes if tracker is not None else 0)
+            self.meters.charge(part, inputs, handed_on, glue_moved_bytes=moved_bytes)
+            self.interpreter.finish_node(part, inputs, handed_on, every_new=True)
+        else:
+            self.meters.charge(part, inputs, handed_on)
+            self.interpreter.finish_node(part, inputs, handed_on)
+
+    def _before_child(self, unit: str, call: Any) -> None:
+        self._close(self.parts[-1], (), call)
+        path = f"{self.path}.{unit}" if self.path else unit
+        self.calls[path] = self.calls.get(path, 0) + 1
+        child = self.module.get_submodule(unit)
+        count = self.calls[path]
+        self._open(
+            NodeRecord(
+                name=f"{self.node.name}.{unit}" + (f"#{count}" if count > 1 else ""),
+                op=type(child).__name__,
+                module_path=path,
+                inputs=(),
+                random=isinstance(child, RANDOM_MODULES),
+                stateful=any(True for _ in child.buffers()),
+                checkpointable=unit not in self.hooked,
+                part_of=self.node.name,
+            )
+        )
+        self.child_call = call
+
+    def _after_child(self, output: Any) -> None:
+        self._close(self.parts[-1], self.child_call, output)
+        self._open_glue()
+
+    def _freed(self, name: str) -> None:
+        """A named storage freed while a part runs: that part is its last reader."""
+        part = self.interpreter.current
+        if part is not None and name not in part.reads and name not in part.creates:
+            part.reads.append(name)
+
+
+def split_calls(captured: Capture) -> dict[str, tuple[str, ...]]:
+    """Modules the capture kept as one node (opaque, or whole for their hooks) whose calls are
+    profiled in parts, with the children that cut them (NOTE [split calls] in simulate.py)."""
+    graph_module = captured.graph_module
+    found: dict[str, tuple[str, ...]] = {}
+    for node in graph_module.graph.nodes:
+        if node.op != "call_module":
+            continue
+        target = str(node.target)
+        module = graph_module.get_submodule(target)
+        if target in captured.opaque_modules or has_hooks(module):
+            units = tuple(candidate_units(module))
+            if units:
+                found[target] = units
+    return found
+
+
+def static_split_calls(
+    graph_module: fx.GraphModule, inputs: tuple[Any, ...], candidates: Mapping[str, tuple[str, ...]]
+) -> dict[str, tuple[str, ...]]:
+    """The `candidates` whose children's calls do not depend on the data: the same children called as
+    often with arguments of the same shapes (in any order) when the call's floating inputs are perturbed.
+
+    A mixture of experts routes each token by its values: checkpointing one expert would save bytes
+    that change with the routing from step to step (fewer tokens to a checkpointed expert leave more to
+    the stored ones), which no profile of one step can bound. Such a call stays one node (checkpointed
+    whole, its total is the same for any routing). Runs one forward without grad, and each candidate
+    twice more per call; the caller restores buffers and the RNG state.
+    """
+    verdicts: dict[str, bool] = {}
+    if not candidates:
+        return {}
+
+    def probe(target: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        units = candidates[target]
+        seen = [_child_calls(module, units, args, kwargs)]
+        for _ in range(PERTURBED_PROBES):
+            seen.append(_child_calls(module, units, *_perturbed((args, kwargs))))
+        static = seen[0] is not None and all(calls == seen[0] for calls in seen)
+        verdicts[target] = verdicts.get(target, True) and static
+
+    handles = [
+        graph_module.get_submodule(target).register_forward_pre_hook(
+            lambda module, args, kwargs, target=target: probe(target, module, args, kwargs), with_kwargs=True
+        )
+        for target in candidates
+    ]
+    try:
+        with torch.no_grad():
+            graph_module(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for target, static in verdicts.items():
+        if not static:
+            log.info("%s calls its children depending on the data: it stays one node", target)
+    return {target: units for target, units in candidates.items() if verdicts.get(target, False)}
+
+
+PERTURBED_PROBES = 2
+"""Perturbed inputs each split candidate is run on to see whether its children's calls change."""
+
+
+def _child_calls(
+    module: torch.nn.Module, units: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[str, tuple[tuple[int, ...], ...]]] | None:
+    """The children `module.forward` calls, with their tensor arguments' shapes, sorted (None when it
+    fails on these inputs)."""
+    calls: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+    handles = [
+        module.get_submodule(unit).register_forward_pre_hook(
+            lambda _m, a, k, unit=unit: calls.append(
+                (unit, tuple(tuple(t.shape) for t in tensors_in((a, k))))
+            ),
+            with_kwargs=True,
+        )
+        for unit in units
+    ]
+    try:
+        module.forward(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - an input the call cannot take tells nothing about static calls
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sorted(calls)
+
+
+def _perturbed(call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call with noise of each floating tensor's own scale added to it."""
+
+    def perturb(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value + torch.randn_like(value) * (value.detach().std() if value.numel() > 1 else 1.0)
+        return value
+
+    args, kwargs = tree_map(perturb, call)
+    return tuple(args), dict(kwargs)

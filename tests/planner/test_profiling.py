@@ -1,0 +1,97 @@
+"""`planner.profile`: one profiled step that optimize, pareto, replan and the module level all plan from."""
+
+from __future__ import annotations
+
+import pytest
+from zoo_checks import assert_same_step, one_step
+
+import planner
+from planner.solving import plan_graph
+from planner.zoo import build_model
+from planner.zoo_real import build_call
+
+
+@pytest.fixture(scope="module")
+def mlp_profile() -> planner.Profile:
+    model, inputs = build_model("seed000_mlp")
+    return planner.profile(model, inputs, optimizer="adam")
+
+
+def _middle(profile: planner.Profile) -> int:
+    frontier = profile.pareto(points=2, solver="dp")
+    return (frontier.min_peak_bytes + frontier.baseline_peak_bytes) // 2
+
+
+def test_one_profile_plans_any_budget_with_the_same_graph(mlp_profile: planner.Profile) -> None:
+    budget = _middle(mlp_profile)
+    generous = mlp_profile.plan(budget_gb=1)
+    tight = mlp_profile.plan(budget_bytes=budget, solver="dp")
+    assert generous.graph is tight.graph is mlp_profile.graph, "no second profiling run"
+    assert generous.schedule.checkpointed == () and tight.schedule.checkpointed
+    assert tight.profile is mlp_profile and tight.module is not None
+    assert tight.replan(budget_gb=1).schedule == generous.schedule
+    inputs = mlp_profile.example_args
+    assert_same_step(one_step(mlp_profile.model, inputs), one_step(tight.module, inputs))
+
+
+def test_optimize_is_profile_then_plan(mlp_profile: planner.Profile) -> None:
+    budget = _middle(mlp_profile)
+    model, inputs = mlp_profile.model, mlp_profile.example_args
+    plan = planner.optimize(model, inputs, budget_bytes=budget, solver="dp")
+    assert plan.profile is not None and plan.profile.settings == mlp_profile.settings
+    # Measured node times differ between profiling runs; the memory of the graph does not.
+    assert plan.graph.storage_bytes == mlp_profile.graph.storage_bytes
+    assert plan.graph.static == mlp_profile.graph.static
+
+
+def test_a_plan_solved_elsewhere_is_applied_to_its_profile(mlp_profile: planner.Profile) -> None:
+    budget = _middle(mlp_profile)
+    solved = plan_graph(mlp_profile.graph, budget_bytes=budget, solver="dp")
+    loaded = planner.Plan.from_json(solved.to_json())
+    assert loaded.module is None
+    applied = mlp_profile.apply(loaded)
+    assert applied.module is not None and applied.schedule == solved.schedule
+    other_model, other_inputs = build_model("seed002_cifar10")
+    other = planner.profile(other_model, other_inputs, cost_model="analytic", device="cpu")
+    with pytest.raises(ValueError, match="another graph"):
+        other.apply(loaded)
+
+
+def test_pareto_of_a_profile_spans_lowest_to_baseline(mlp_profile: planner.Profile) -> None:
+    frontier = mlp_profile.pareto(points=3, solver="dp")
+    peaks = [peak for peak, _ in frontier.peaks_and_overheads()]
+    assert peaks[0] == frontier.min_peak_bytes and peaks[-1] == frontier.baseline_peak_bytes
+
+
+def test_the_module_level_goes_through_the_same_object() -> None:
+    call = build_call("branching_root")
+    profile = planner.profile(call.model, call.args)
+    assert profile.capture is None and profile.graph.capture == "module"
+    plan = profile.plan(budget_bytes=_middle(profile), solver="dp")
+    assert plan.regions and plan.module is not None
+    assert plan.replan(budget_gb=1).schedule.checkpointed == ()
+    assert_same_step(one_step(call.model, call.args), one_step(plan.module, call.args))
+
+
+def test_bad_arguments_fail_before_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, inputs = build_model("seed000_mlp")
+
+    def no_profiling(*args: object, **kwargs: object) -> None:
+        raise AssertionError("profiled before checking the arguments")
+
+    monkeypatch.setattr("planner.planning.profile", no_profiling)
+    with pytest.raises(ValueError, match="solver='magic'"):
+        planner.optimize(model, inputs, budget_gb=1, solver="magic")
+    with pytest.raises(ValueError, match="exactly one of budget_gb"):
+        planner.optimize(model, inputs)
+    with pytest.raises(TypeError, match="TrainingStep"):
+        planner.profile(model, inputs, step=4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="world_size"):
+        planner.profile(model, inputs, world_size=0)
+
+
+def test_profile_and_Profile_stay_public_after_their_module_loads() -> None:
+    import planner.profiling  # noqa: F401
+
+    assert callable(planner.profile) and planner.profile.__module__ == "planner.profiling"
+    assert isinstance(planner.Profile, type)

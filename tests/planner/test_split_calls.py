@@ -1,0 +1,189 @@
+"""Calls the capture could not follow (a block with hooks, a forward with Python control flow) are planned
+at the level of their children: a plan checkpoints one child call, or the whole call, never a run that
+cuts the call's own Python code (NOTE [split calls] in planner/simulate.py)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from synthetic_graphs import random_dag, with_split_call
+from test_solvers import all_schedules
+from torch import nn
+from zoo_checks import assert_same_step, one_step
+
+import planner
+from planner.ir import GLUE_OP, ActivationGraph, Region, RegionPolicy, Schedule
+from planner.simulate import CheckpointRule, simulate
+from planner.solvers import solve
+from planner.zoo_real import build_call
+
+SPLIT_DAGS = {
+    f"split-dag-{seed}": with_split_call(random_dag(random.Random(seed), 7), 2, 7) for seed in range(4)
+}
+
+
+def test_a_checkpointed_region_takes_a_split_call_whole_or_one_child_call() -> None:
+    graph = SPLIT_DAGS["split-dag-0"]  # nodes 2..6: glue, child, glue, child, glue
+    rule = CheckpointRule.of(graph)
+    assert rule.allows(graph, 3, 4) and rule.allows(graph, 5, 6), "one child call"
+    assert rule.allows(graph, 2, 7) and rule.allows(graph, 0, 7), "the whole call, alone or with others"
+    assert not rule.allows(graph, 2, 3), "glue alone cuts the call's code"
+    assert not rule.allows(graph, 3, 6), "two children and the glue between them"
+    assert not rule.allows(graph, 0, 4), "a region ending inside the call"
+    assert not rule.allows(graph, 4, 5), "glue between children"
+
+
+@pytest.mark.parametrize("solver", ["dp", "ilp"])
+@pytest.mark.parametrize("name", sorted(SPLIT_DAGS))
+def test_least_recompute_with_a_split_call_is_the_brute_force_optimum(name: str, solver: str) -> None:
+    graph = SPLIT_DAGS[name]
+    results = [simulate(graph, schedule) for schedule in all_schedules(graph)]
+    lowest = min(result.peak_bytes for result in results)
+    highest = max(result.peak_bytes for result in results)
+    for fraction in (0.0, 0.3):
+        budget = lowest + int(fraction * (highest - lowest))
+        oracle_ms = min(result.recompute_ms for result in results if result.peak_bytes <= budget)
+        planned = simulate(graph, solve(graph, budget_bytes=budget, solver=solver))
+        assert planned.peak_bytes <= budget
+        assert planned.recompute_ms == pytest.approx(oracle_ms, abs=1e-9), f"budget {budget}"
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class ClampedBlock(Block):
+    """Python control flow on a tensor's value (FX cannot trace it), which never changes which children
+    run or their shapes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        if y.abs().max() > 1e3:
+            y = y / y.abs().max()
+        return x + self.dropout(y)
+
+
+class Stack(nn.Module):
+    def __init__(self, block: type[Block], width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def counted_calls(model: nn.Module, path: str) -> list[int]:
+    """A forward hook on `path` that counts its calls (a hook makes FX keep the module whole)."""
+    calls = [0]
+    model.get_submodule(path).register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def lowest_plan(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> planner.Plan:
+    reference = planner.optimize(model, inputs, budget_bytes=2**40, solver="dp")
+    return reference.replan(budget_bytes=reference.min_peak_bytes, solver="dp")
+
+
+def assert_fits_and_trains_alike(
+    plan: planner.Plan, model: nn.Module, inputs: tuple[torch.Tensor, ...]
+) -> None:
+    measured = planner.measure(copy.deepcopy(plan.module), inputs)
+    assert measured.peak_bytes <= plan.budget_bytes, plan.summary()
+    assert abs(plan.predicted_peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
+    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
+
+
+def every_child_call(graph: ActivationGraph) -> Schedule:
+    """Each child call of every split call in a checkpoint of its own, the rest stored."""
+    rule = CheckpointRule.of(graph)
+    regions = [
+        Region(
+            index,
+            index + 1,
+            RegionPolicy.CHECKPOINT
+            if node.part_of and rule.allows(graph, index, index + 1) and node.op != GLUE_OP
+            else RegionPolicy.STORE,
+        )
+        for index, node in enumerate(graph.nodes)
+    ]
+    return Schedule(regions=tuple(regions), solver="every child call")
+
+
+def assert_child_calls_checkpoint_as_predicted(
+    plan: planner.Plan, model: nn.Module, inputs: tuple[torch.Tensor, ...]
+) -> None:
+    schedule = every_child_call(plan.graph)
+    assert schedule.checkpointed, "no child call to checkpoint"
+    assert plan.profile is not None
+    module = plan.profile.rewrite(schedule)
+    predicted = simulate(plan.graph, schedule).peak_bytes
+    measured = planner.measure(copy.deepcopy(module), inputs).peak_bytes
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+    assert_same_step(one_step(model, inputs), one_step(module, inputs))
+
+
+def test_children_of_a_block_with_hooks_are_checkpointed_and_its_hook_runs_once() -> None:
+    torch.manual_seed(0)
+    model = Stack(Block)
+    calls = counted_calls(model, "blocks.1")
+    inputs = (torch.randn(64, 16, 64),)
+    plan = lowest_plan(model, inputs)
+    assert "planned by children: blocks.1" in plan.capture
+    assert_fits_and_trains_alike(plan, model, inputs)
+    assert_child_calls_checkpoint_as_predicted(plan, model, inputs)
+    before = calls[0]
+    plan.module.train()
+    planner.measure(copy.deepcopy(plan.module), inputs)  # two training steps
+    assert calls[0] - before == 2, "the hooked block's forward hook runs once per step, replays included"
+
+
+def test_a_forward_with_control_flow_that_calls_the_same_children_is_planned_by_them() -> None:
+    torch.manual_seed(0)
+    model = Stack(ClampedBlock)
+    inputs = (torch.randn(64, 16, 64),)
+    plan = lowest_plan(model, inputs)
+    assert plan.capture.startswith("fx (planned by children: blocks.0, blocks.1, blocks.2, blocks.3")
+    assert_fits_and_trains_alike(plan, model, inputs)
+    assert_child_calls_checkpoint_as_predicted(plan, model, inputs)
+
+
+def parts(graph: ActivationGraph) -> list[str]:
+    return [node.name for node in graph.nodes if node.part_of]
+
+
+def test_children_called_by_the_data_stay_inside_one_node() -> None:
+    call = build_call("moe_transformer")
+    plan = planner.optimize(call.model, call.args, budget_bytes=2**40, solver="dp")
+    assert "opaque: blocks.0.mixture" in plan.capture and "planned by children" not in plan.capture
+    assert not parts(plan.graph), "a top-2 router's experts see other token counts at every step"
+
+
+def test_glue_is_recorded_with_what_it_keeps_alive() -> None:
+    torch.manual_seed(0)
+    model = Stack(ClampedBlock, depth=2)
+    plan = planner.optimize(model, (torch.randn(8, 4, 64),), budget_bytes=2**40, solver="dp")
+    graph = plan.graph
+    glue = [node for node in graph.nodes if node.op == GLUE_OP]
+    children = [node for node in graph.nodes if node.part_of and node.op != GLUE_OP]
+    assert [node.module_path for node in children[:4]] == [
+        "blocks.0.norm",
+        "blocks.0.up",
+        "blocks.0.down",
+        "blocks.0.dropout",
+    ]
+    assert len(glue) == len(children) + 2, "glue before, between and after the children of each call"
+    assert all(node.checkpointable for node in graph.nodes if node.part_of)

@@ -42,6 +42,7 @@ from peers import machine
 
 import planner
 from planner.compiled import plan_compiled_step
+from planner.errors import UnsupportedModel
 from planner.ir import TrainingStep
 from planner.measurement import default_loss
 
@@ -73,10 +74,13 @@ def _torch_compile_s(name: str, percent: int = 100) -> dict[str, Any]:
 
 def _planned_budget(name: str) -> dict[str, Any]:
     call = build_example(name, "cpu")
-    plan = plan_compiled_step(
-        call.model, call.args, call.kwargs, budget_bytes=2**40, optimizer="adam", step=TrainingStep(),
-        loss_fn=default_loss, solver="auto", device=None,
-    )  # fmt: skip
+    try:
+        plan = plan_compiled_step(
+            call.model, call.args, call.kwargs, budget_bytes=2**40, optimizer="adam", step=TrainingStep(),
+            loss_fn=default_loss, solver="auto", device=None,
+        )  # fmt: skip
+    except UnsupportedModel as refused:
+        return {"refused": str(refused)}
     lowest, baseline = plan.min_peak_bytes, plan.baseline_peak_bytes
     return {"budget_bytes": int(lowest + MID_FRACTION * (baseline - lowest))}
 
@@ -131,14 +135,17 @@ def _in_fresh_process(kind: str, name: str, *arguments: int) -> dict[str, Any]:
 def measure_model(name: str) -> dict[str, Any]:
     print(f"{name}: torch.compile", file=sys.stderr, flush=True)
     baseline = _in_fresh_process("torch.compile", name)
-    recomputing = _in_fresh_process("torch.compile", name, PEER_PERCENT)
-    budget = _in_fresh_process("budget", name)["budget_bytes"]
+    planned_budget = _in_fresh_process("budget", name)
+    if "refused" in planned_budget:
+        print(f"{name}: refused: {planned_budget['refused']}", file=sys.stderr, flush=True)
+        return {"torch_compile_s": baseline["compile_s"], "refused": planned_budget["refused"]}
+    budget = planned_budget["budget_bytes"]
     print(f"{name}: planned at {budget / 2**20:.2f} MiB", file=sys.stderr, flush=True)
     planned = _in_fresh_process("planned", name, budget)
     return {
         "budget_bytes": budget,
         "torch_compile_s": baseline["compile_s"],
-        "torch_compile_budget_s": recomputing["compile_s"],
+        "torch_compile_budget_s": _in_fresh_process("torch.compile", name, PEER_PERCENT)["compile_s"],
         "planned_compile_s": planned["compile_s"],
         "planning_s": planned["planning_s"],
         "attempts": planned["attempts"],
@@ -157,6 +164,11 @@ def markdown(results: dict[str, dict[str, Any]], context: dict[str, Any]) -> str
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, row in results.items():
+        if "refused" in row:
+            lines.append(
+                f"| {name} | {row['torch_compile_s']:.1f} | | refused: {row['refused'].split(';')[0]} | | | | |"
+            )
+            continue
         verdict = "yes" if row["ratio"] <= MAX_RATIO else "**no**"
         lines.append(
             f"| {name} | {row['torch_compile_s']:.1f} | {row['torch_compile_budget_s']:.1f} "
@@ -183,9 +195,12 @@ def main(argv: Sequence[str]) -> int:
         "torch": torch.__version__,
         "command": [Path(sys.executable).name, *sys.argv],
     }
-    results = {name: measure_model(name) for name in names}
+    results: dict[str, dict[str, Any]] = {}
     arguments.out.parent.mkdir(parents=True, exist_ok=True)
-    arguments.out.write_text(json.dumps({**context, "models": results}, indent=1) + "\n")
+    for name in names:
+        results[name] = measure_model(name)
+        # Written after every model, so an interrupted run keeps what it measured.
+        arguments.out.write_text(json.dumps({**context, "models": results}, indent=1) + "\n")
     table = markdown(results, context)
     arguments.out.with_suffix(".md").write_text(table)
     sys.stdout.write(table)

@@ -166,7 +166,8 @@ def markdown(results: dict[str, dict[str, Any]], context: dict[str, Any]) -> str
     for name, row in results.items():
         if "refused" in row:
             lines.append(
-                f"| {name} | {row['torch_compile_s']:.1f} | | refused: {row['refused'].split(';')[0]} | | | | |"
+                f"| {name} | {row['torch_compile_s']:.1f} | "
+                f"| refused: {row['refused'].split(';')[0]} | | | | |"
             )
             continue
         verdict = "yes" if row["ratio"] <= MAX_RATIO else "**no**"

@@ -18,7 +18,8 @@ docs/limits.md. Run from the repository root (about 4 min on 2 CPU cores):
 
     .venv/bin/python bench/per_block.py [--models unet_deep,vit_torch_encoder] [--rounds 7]
 
-Writes `bench/results/per_block.json` and `bench/results/per_block.md` (docs/plan-space.md quotes the rows of DAG-shaped models).
+Writes `bench/results/per_block.json` and `bench/results/per_block.md`; docs/plan-space.md quotes the rows of
+the DAG-shaped models by hand.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Service settings, read from `PLANNER_*` environment variables (or given to `create_app` directly).
 
-One class holds every limit the service enforces, so that the README, the OpenAPI description and
+One class holds every limit the service enforces, so that docs/service.md, the OpenAPI description and
 the code cannot disagree about them.
 """
 

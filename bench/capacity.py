@@ -6,7 +6,8 @@ Why: "what batch fits my GPU?" is the question people start from. This builds th
 micro-batch without and with checkpointing and the plan's predicted recompute; with `--global-batch`
 it also weighs accumulation against checkpointing on the largest card. It writes
 `bench/results/capacity_llama7b.{json,md}` and the picture `docs/capacity_llama7b.png`, and reports its
-wall time and load average (target: under 2 minutes on the 2-core machine).
+wall time and load average (target: under 2 minutes on the 2-core machine). docs/results.md states the
+cards' rows in its own words: update it after a run.
 
     .venv/bin/python bench/capacity.py [--sequence 4096] [--batch-max 64] [--cards 24,40,80]
 """

@@ -80,8 +80,9 @@ Run from the repository root (two models at a time by default, `--jobs`; see `DE
 
 Results: JSON at `--out` (default `bench/results/compare.json`, `compare_quick.json` with `--quick`), the
 markdown tables (`.md`, also printed to stdout; verdicts and rendering live in bench/compare_report.py) and
-the plot (`.png`: measured peak against step-time ratio, per model) beside it. Models run longest first
-by the previous JSON's timings. Progress goes to stderr.
+the plot (`.png`: measured peak against step-time ratio, per model) beside it; writing the default results
+(or `--render` of them) also rewrites the summary table docs/benchmark.md quotes (bench/docs_tables.py).
+Models run longest first by the previous JSON's timings. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ from compare_report import (
     plot,
     result_from_dict,
 )
+from docs_tables import refresh_quotes
 from peers import (
     EVERY_BLOCK,
     SQRT_SEGMENTS,
@@ -888,6 +890,7 @@ def write_tables(results: Sequence[ModelResult], out: Path, context: dict[str, A
     """The markdown (also to stdout) and the plot beside the JSON at `out`."""
     table = markdown(results, context)
     out.with_suffix(".md").write_text(table)
+    refresh_quotes(out.with_suffix(".md"))
     run = "quick" if context["quick"] else "full"
     plot(
         results, out.with_suffix(".png"), title=f"{context['device']}: measured peak vs step time ({run} run)"

@@ -25,7 +25,8 @@ It asserts nothing: a miss is a row. Run from the repository root:
     .venv/bin/python bench/coverage.py --models resnet,hf_gpt2 --out /tmp/coverage.json
 
 Results: JSON at `--out` (default `bench/results/coverage.json`) and the markdown table beside it
-(`.md`), which README.md quotes under "Model coverage"; the table also goes to stdout.
+(`.md`; the table also goes to stdout). Writing the default results also rewrites the table docs/coverage.md
+quotes (bench/docs_tables.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from docs_tables import refresh_quotes
 
 import planner
 from planner.measurement import default_loss
@@ -302,6 +304,7 @@ def main() -> None:
     }
     arguments.out.write_text(json.dumps(document, indent=1) + "\n")
     arguments.out.with_suffix(".md").write_text(table)
+    refresh_quotes(arguments.out.with_suffix(".md"))
     sys.stdout.write(table)
 
 

@@ -28,7 +28,7 @@ Run from the repository root:
 
 Results: JSON at `--out` (default `bench/results/fidelity.json`, or `fidelity_quick.json` with `--quick`)
 and the markdown tables beside it (same name, `.md`, written by fidelity_report.py), also printed to
-stdout. Progress goes to stderr.
+stdout. Progress goes to stderr. docs/results.md (Fidelity) summarises them by hand: update it after a run.
 """
 
 from __future__ import annotations

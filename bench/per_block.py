@@ -13,12 +13,13 @@ model (the user-report zoo and the real-model zoo, DAG-shaped models included) t
   and whether it fits, and its step time against the hand method's, as the median of per-round ratios
   over interleaved rounds (with the range of the rounds: the CPU is noisy).
 
-Models planned by submodules (capture "module") are listed with their reason and no plan, see README's
-known limits. Run from the repository root (about 4 min on 2 CPU cores):
+Models planned by submodules (capture "module") are listed with their reason and no plan, see
+docs/limits.md. Run from the repository root (about 4 min on 2 CPU cores):
 
     .venv/bin/python bench/per_block.py [--models unet_deep,vit_torch_encoder] [--rounds 7]
 
-Writes `bench/results/per_block.json` and `bench/results/per_block.md` (README quotes the table).
+Writes `bench/results/per_block.json` and `bench/results/per_block.md`; docs/plan-space.md quotes the rows of
+the DAG-shaped models by hand.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Why: a planner that must run the model to plan it cannot plan the models that need planning. The
 model is built on the meta device (shapes, no storage), captured and profiled there, priced by the
 analytic cost model for an H100, and solved. The script reports planning wall time and this process's
-peak RSS (targets: under 2 minutes and 4 GiB) and writes `bench/results/llama7b.json`.
+peak RSS (targets: under 2 minutes and 4 GiB) and writes `bench/results/llama7b.json`
+(docs/results.md quotes it).
 
     .venv/bin/python bench/plan_llama7b.py [--layers 32] [--budget-gib 80] [--sequence 2048]
 """

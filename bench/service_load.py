@@ -8,7 +8,8 @@ the job store: the service's own cost per request). A request that gets 202 poll
 
 Reports per set-up the cold solves' throughput (distinct jobs per second of wall time) and latency
 (post to plan, queueing included) at p50 and p99 per graph size, and the repeats' throughput and latency;
-every answer must be a plan, anything else counts as an error. Writes bench/results/service_load.json.
+every answer must be a plan, anything else counts as an error. Writes bench/results/service_load.json;
+docs/service.md (Load) states it in a table by hand.
 PostgreSQL is a throwaway server started from Debian's binaries (tests/api/postgres_server.py), unless
 `--postgres-url` names one (each set-up then creates a database of its own on it).
 

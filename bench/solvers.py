@@ -17,7 +17,8 @@ afresh and with one block repeated (as transformer layers are), and on DAGs up t
 - the solver targets (dp at 500 nodes within 1 s, ilp at 2,000 nodes within 10 s at a gap of 1 %,
   the analytic/measured rank correlation at least 0.8), each with the figure that meets or misses it.
 
-Writes `bench/results/solvers.json` and `bench/results/solvers.md`.
+Writes `bench/results/solvers.json` and `bench/results/solvers.md`, and rewrites the two tables of it that
+docs/results.md quotes (bench/docs_tables.py).
 
     .venv/bin/python bench/solvers.py [--sizes 100,500,2000,10000] [--ilp-max-nodes 2000] [--repeats 3]
 """
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from docs_tables import refresh_quotes
 from peers import machine, planner_revision
 
 import planner
@@ -302,6 +304,7 @@ def main() -> int:
         )
     )
     out.with_suffix(".md").write_text(table)
+    refresh_quotes(out.with_suffix(".md"))
     sys.stdout.write(table)
     return 0
 

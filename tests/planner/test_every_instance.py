@@ -10,7 +10,7 @@ live-storage tracker. Plans come from `dp` (the plan space is the same for every
 
 Models planned by submodules (capture "module") are checked apart: their units are whole submodules, so
 inside a unit's backward the prediction is an upper bound, and the lowest peak may sit a few bytes above
-what checkpointing every unit measures (README, Known limits). There every unit type's hand method is a
+what checkpointing every unit measures (docs/limits.md). There every unit type's hand method is a
 schedule of the plan space whose predicted peak is at least the lowest and bounds its measured peak.
 """
 

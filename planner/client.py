@@ -148,16 +148,24 @@ class PlannerClient:
         device: str | DeviceSpec | None = None,
         world_size: int = 1,
         sharding: str = "ddp",
+        compile: bool = False,
     ) -> Plan:
         """`planner.optimize`, with the solve done by the service: the same arguments, checked the same
         way before profiling, and the same errors (`InfeasibleBudget` carries the service's lowest
-        achievable peak)."""
+        achievable peak). `compile=True` is refused: the compiled step is planned inside inductor's
+        partitioner, in the process that compiles (planner/compiled.py)."""
         # Imported here so that `plan_graph` works where torch is not installed.
         from planner.profiling import budget_bytes_of, profile
         from planner.solvers import check_solver
 
         budget = budget_bytes_of(budget_gb, budget_bytes)
         check_solver(solver)
+        if compile:
+            raise ValueError(
+                "PlannerClient.optimize(..., compile=True) is not supported: the compiled step is planned "
+                "while torch.compile partitions it, in the process that compiles; call "
+                "planner.optimize(model, ..., compile=True) here instead"
+            )
         profiled = profile(
             model,
             example_inputs,

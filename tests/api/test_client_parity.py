@@ -20,6 +20,7 @@ from service_helpers import free_port, running_server
 from training_checks import assert_same_gradients, step_gradients
 
 import planner
+from planner import zoo
 from planner.client import PlannerClient
 from planner.zoo_real import HUGGING_FACE, REAL_ZOO, build_call
 
@@ -97,3 +98,10 @@ def test_bad_arguments_fail_as_in_optimize_before_anything_is_sent(tmp_path: Pat
 def test_client_optimize_takes_exactly_optimizes_arguments() -> None:
     client_parameters = list(inspect.signature(PlannerClient.optimize).parameters.values())[1:]
     assert client_parameters == list(inspect.signature(planner.optimize).parameters.values())
+
+
+def test_the_client_refuses_compiled_planning_before_profiling() -> None:
+    client = PlannerClient("http://127.0.0.1:9")  # never reached: the refusal comes first
+    model, inputs = zoo.build_model("seed000_mlp")
+    with pytest.raises(ValueError, match=r"compile=True\) is not supported.*planner\.optimize"):
+        client.optimize(model, inputs, budget_gb=1, compile=True)

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint_sequential
 
+from planner.blocks import longest_block_stack
 from planner.measurement import default_loss
 
 __all__ = [
@@ -225,15 +226,10 @@ def find_block_container(model: nn.Module) -> BlockContainer:
     """The root if it is a Sequential, else the Sequential/ModuleList with most children, else the root."""
     if isinstance(model, nn.Sequential):
         return BlockContainer(path="", kind="Sequential", child_names=tuple(model._modules))
-    candidates = [
-        (path, module)
-        for path, module in model.named_modules()
-        if isinstance(module, nn.Sequential | nn.ModuleList)
-    ]
-    if candidates:
-        path, module = max(candidates, key=lambda pair: len(pair[1]))
-        if len(module) >= MIN_CONTAINER_CHILDREN:
-            return BlockContainer(path=path, kind=type(module).__name__, child_names=tuple(module._modules))
+    stack = longest_block_stack(model)
+    if stack is not None and len(stack[1]) >= MIN_CONTAINER_CHILDREN:
+        path, module = stack
+        return BlockContainer(path=path, kind=type(module).__name__, child_names=tuple(module._modules))
     return BlockContainer(path="", kind="root children", child_names=tuple(model._modules))
 
 

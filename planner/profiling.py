@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from planner.blocks import longest_block_stack
 from planner.capture import Capture, call_shapes, candidate_units, capture
 from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import GIB, LargerShapeWarning, UnsupportedModel, format_bytes
@@ -531,8 +532,8 @@ def fsdp_unit_bytes(model: torch.nn.Module) -> int:
     """Parameter bytes of the largest unit FSDP gathers at once: a block of the model's longest
     ModuleList/Sequential (where one calls `fully_shard` per block), or the parameters outside the
     blocks, which the root unit holds (the whole model when it has no block stack)."""
-    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList | torch.nn.Sequential)]
-    blocks = list(max(stacks, key=len)) if stacks else []
+    stack = longest_block_stack(model)
+    blocks = list(stack[1]) if stack is not None else []
     seen: set[int] = set()
     block_bytes = [_parameter_bytes(block, seen) for block in blocks]
     rest_bytes = _parameter_bytes(model, seen)

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 from synthetic_graphs import chain_graph
 
+from planner.blocks import main_container, numbered_containers
 from planner.ir import RegionPolicy, Schedule
 from planner.plan import Plan
 from planner.simulate import simulate
@@ -17,8 +18,6 @@ from planner.whatif import (
     each_block,
     each_node,
     equal_segments,
-    main_container,
-    numbered_containers,
     render_comparison,
     whole_model,
 )

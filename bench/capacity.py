@@ -8,7 +8,7 @@ it also weighs accumulation against checkpointing on the largest card. It writes
 `bench/results/capacity_llama7b.{json,md}` and the picture `docs/capacity_llama7b.png`, and reports its
 wall time and load average (target: under 2 minutes on the 2-core machine).
 
-    .venv/bin/python bench/capacity.py [--sequence 4096] [--batch-max 64] [--cards 24,40,80]
+    .venv/bin/python -m bench.capacity [--sequence 4096] [--batch-max 64] [--cards 24,40,80]
 """
 
 from __future__ import annotations

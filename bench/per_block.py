@@ -16,7 +16,7 @@ model (the user-report zoo and the real-model zoo, DAG-shaped models included) t
 Models planned by submodules (capture "module") are listed with their reason and no plan, see README's
 known limits. Run from the repository root (about 4 min on 2 CPU cores):
 
-    .venv/bin/python bench/per_block.py [--models unet_deep,vit_torch_encoder] [--rounds 7]
+    .venv/bin/python -m bench.per_block [--models unet_deep,vit_torch_encoder] [--rounds 7]
 
 Writes `bench/results/per_block.json` and `bench/results/per_block.md` (README quotes the table).
 """
@@ -31,14 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peers import contender, interleaved_step_ms, machine, mib, paired_ratio, planner_revision
-
 import planner
+from bench.peers import contender, interleaved_step_ms, machine, mib, paired_ratio, planner_revision
 from planner.capture import has_hooks
 from planner.module_level import MODULE_LEVEL
+from planner.testing.zoo_real import REAL_ZOO, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
 from planner.zoo_dag import checkpoint_every_instance, repeated_module_types
-from planner.zoo_real import REAL_ZOO, ExampleCall, build_call
 
 log = logging.getLogger("bench.per_block")
 

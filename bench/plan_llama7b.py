@@ -5,7 +5,7 @@ model is built on the meta device (shapes, no storage), captured and profiled th
 analytic cost model for an H100, and solved. The script reports planning wall time and this process's
 peak RSS (targets: under 2 minutes and 4 GiB) and writes `bench/results/llama7b.json`.
 
-    .venv/bin/python bench/plan_llama7b.py [--layers 32] [--budget-gib 80] [--sequence 2048]
+    .venv/bin/python -m bench.plan_llama7b [--layers 32] [--budget-gib 80] [--sequence 2048]
 """
 
 from __future__ import annotations

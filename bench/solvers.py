@@ -19,7 +19,7 @@ afresh and with one block repeated (as transformer layers are), and on DAGs up t
 
 Writes `bench/results/solvers.json` and `bench/results/solvers.md`.
 
-    .venv/bin/python bench/solvers.py [--sizes 100,500,2000,10000] [--ilp-max-nodes 2000] [--repeats 3]
+    .venv/bin/python -m bench.solvers [--sizes 100,500,2000,10000] [--ilp-max-nodes 2000] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peers import machine, planner_revision
-
 import planner
+from bench.peers import machine, planner_revision
 from planner.ir import ActivationGraph
 from planner.simulate import simulate, store_everything
 from planner.solvers import lowest_peak, solve

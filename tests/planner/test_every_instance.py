@@ -28,9 +28,9 @@ from planner.capture import has_hooks
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.module_level import MODULE_LEVEL
 from planner.simulate import simulate
+from planner.testing.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
 from planner.zoo_dag import checkpoint_every_instance, repeated_module_types
-from planner.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
 
 HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
 

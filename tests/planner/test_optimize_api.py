@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from zoo_checks import assert_same_step, one_step
 
 import planner
 from planner.errors import format_bytes
+from planner.testing.steps import assert_same_step, one_step
 from planner.zoo import build_model
 
 

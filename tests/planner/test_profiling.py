@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from zoo_checks import assert_same_step, one_step
 
 import planner
 from planner.solving import plan_graph
+from planner.testing.steps import assert_same_step, one_step
+from planner.testing.zoo_real import build_call
 from planner.zoo import build_model
-from planner.zoo_real import build_call
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from synthetic_graphs import chain_graph
 
 from planner.blocks import main_container, numbered_containers
 from planner.ir import RegionPolicy, Schedule
@@ -21,6 +20,7 @@ from planner.whatif import (
     render_comparison,
     whole_model,
 )
+from tests.planner.synthetic_graphs import chain_graph
 
 GRAPH = chain_graph([8] * 12)
 BODY = len(GRAPH.nodes) - 1  # the loss node after the model cannot be checkpointed

@@ -33,8 +33,7 @@ from typing import Any
 
 import planner
 from bench.peers import contender, interleaved_step_ms, machine, mib, paired_ratio, planner_revision
-from planner.capture import has_hooks
-from planner.module_level import MODULE_LEVEL
+from planner.capture import CapturePath, has_hooks
 from planner.testing.zoo_real import REAL_ZOO, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
 from planner.zoo_dag import checkpoint_every_instance, repeated_module_types
@@ -64,7 +63,7 @@ def hand_variants(call: ExampleCall) -> dict[str, Any]:
 def model_row(name: str, rounds: int) -> dict[str, Any]:
     call = example_call(name)
     row: dict[str, Any] = {"model": name}
-    if name in REAL_ZOO and REAL_ZOO[name].capture == MODULE_LEVEL:
+    if name in REAL_ZOO and REAL_ZOO[name].capture == CapturePath.MODULE:
         row["skipped"] = "planned by submodules: replays are over-predicted by the units' outputs"
         return row
     variants = hand_variants(call)

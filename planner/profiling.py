@@ -48,7 +48,7 @@ from planner.capture import Capture, call_shapes, candidate_units, capture
 from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import GIB, LargerShapeWarning, UnsupportedModel, format_bytes
 from planner.graph_build import LOSS_NODE, build_activation_graph
-from planner.ir import GLUE_OP, ActivationGraph, Schedule, TrainingStep
+from planner.ir import GLUE_OP, ActivationGraph, CostModel, Schedule, TrainingStep
 from planner.measurement import OptimizerSpec, default_loss, tensors_in
 from planner.module_level import capture_model_call, rewrite_units
 from planner.plan import Plan
@@ -214,7 +214,7 @@ class Profile:
                     loss_fn=settings.loss_fn,
                     optimizer=None,
                     step=settings.step,
-                    cost_model="analytic",
+                    cost_model=CostModel.ANALYTIC,
                     device=device_spec("cpu"),
                 )
                 if self.capture is None:
@@ -345,13 +345,13 @@ def profile(
     _refuse_sharded_model(model)
     args = example_call(example_inputs, example_kwargs)
     kwargs = dict(example_kwargs or {})
-    if settings.sharding is Sharding.FSDP and cost_model == "measured":
+    if settings.sharding is Sharding.FSDP and cost_model == CostModel.MEASURED:
         return _profile_units(model, args, kwargs, settings, reason=FSDP_UNITS_REASON)
     started = time.perf_counter()
     try:
         captured = capture(model, args, kwargs)
     except UnsupportedModel as unsupported:
-        if cost_model != "measured":
+        if cost_model != CostModel.MEASURED:
             raise
         log.info("%s; planning by submodules", unsupported)
         return _profile_units(model, args, kwargs, settings, reason=str(unsupported))

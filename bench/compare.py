@@ -137,9 +137,9 @@ from bench.peers import (
 )
 from planner import zoo
 from planner.compiled import plan_compiled_step
+from planner.graph_api import plan_graph
 from planner.ir import TrainingStep
 from planner.measurement import AllocatorPhases, default_loss, storage_bytes, tensors_in
-from planner.solving import plan_graph
 from planner.testing.steps import (
     StepRecord,
     Variant,

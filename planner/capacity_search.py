@@ -41,7 +41,6 @@ from planner.errors import format_bytes
 from planner.ir import ActivationGraph, CostModel, SimulationResult, TrainingStep
 from planner.measurement import OptimizerSpec, tensors_in
 from planner.plan import Plan
-from planner.planning import optimize
 from planner.profiling import budget_bytes_of, profile, training_step_of
 from planner.rescale import FIT_SIZES, GraphFamily, NotRescalable
 from planner.simulate import for_training_step, simulate, store_everything
@@ -57,6 +56,7 @@ from planner.sizing import (
     weigh,
 )
 from planner.solvers import lowest_peak, solve
+from planner.torch_api import optimize
 
 __all__ = ["CARD_MEMORIES_GIB", "Capacity", "ProgressCallback", "capacity"]
 

@@ -47,6 +47,7 @@ from planner.blocks import longest_block_stack
 from planner.capture import Capture, call_shapes, candidate_units, capture
 from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import GIB, LargerShapeWarning, UnsupportedModel, format_bytes
+from planner.graph_api import Frontier, pareto_frontier, plan_graph
 from planner.graph_build import LOSS_NODE, build_activation_graph
 from planner.ir import GLUE_OP, ActivationGraph, CostModel, Schedule, TrainingStep
 from planner.measurement import OptimizerSpec, default_loss, tensors_in
@@ -69,7 +70,6 @@ from planner.shapes import (
 )
 from planner.sharding import Sharding, shard_graph
 from planner.simulate import for_training_step, simulate
-from planner.solving import Frontier, pareto_frontier, plan_graph
 
 __all__ = [
     "FSDP_CAPTURE_NOTE",

@@ -8,8 +8,9 @@ must build, check and time them the same way, so the peers live here once:
 - "every block": what `gradient_checkpointing_enable` does: each block under its own non-reentrant
   checkpoint (Hugging Face's own switch on a Hugging Face model, `checkpoint_wrapper` elsewhere).
 
-Each peer is built on a deep copy (`Variant`), its loss, gradients and buffers are compared with the
-unmodified model's after one step under one seed (dropout included), and training steps are timed in
+Each peer is built on a deep copy (a `Variant`, planner/testing/steps.py, which compares its loss,
+gradients and buffers with the unmodified model's after one step under one seed, dropout included;
+`GRADIENT_RTOL` is the benches' tolerance there), and training steps are timed in
 interleaved rounds (`interleaved_step_ms`) so that drift in the machine's speed hits every variant
 alike. A model's example call is `model(*inputs, **kwargs)`; `kwargs` may be omitted.
 """

@@ -23,7 +23,7 @@ from torch import nn
 import planner
 from planner.measurement import default_loss
 from planner.testing.steps import assert_same_step, one_step
-from planner.testing.zoo_real import REAL_ZOO, build_call
+from planner.testing.zoo_real import REAL_ZOO, ExampleCall, build_call
 from tests.planner.real_models import (
     PLANNABLE,
     PREDICTION_TOLERANCE,
@@ -32,6 +32,26 @@ from tests.planner.real_models import (
     entries,
     needs,
 )
+
+
+def assert_fits_predicts_and_trains(
+    name: str, call: ExampleCall, plan: planner.Plan, budget_bytes: int
+) -> None:
+    """Measured peak <= budget, predicted within PREDICTION_TOLERANCE of it, and one step of plan.module
+    gives the model's loss, gradients and buffers."""
+    assert plan.module is not None
+    measured = planner.measure(copy.deepcopy(plan.module), call.args, example_kwargs=call.kwargs).peak_bytes
+    assert measured <= budget_bytes, (
+        f"{name}: measured {measured} over budget {budget_bytes}\n{plan.summary()}"
+    )
+    error = abs(plan.predicted_peak_bytes - measured) / measured
+    assert error <= PREDICTION_TOLERANCE, (
+        f"{name}: predicted {plan.predicted_peak_bytes}, measured {measured}"
+    )
+    assert_same_step(
+        one_step(call.model, call.args, kwargs=call.kwargs),
+        one_step(plan.module, call.args, kwargs=call.kwargs),
+    )
 
 
 @pytest.mark.parametrize("name", entries(PLANNABLE))
@@ -43,18 +63,7 @@ def test_real_model_plans_fits_predicts_and_keeps_gradients(
     assert plan.module is not None
     assert plan.capture.split(" ")[0] == REAL_ZOO[name].capture, f"{name}: captured by {plan.capture}"
 
-    measured = planner.measure(copy.deepcopy(plan.module), call.args, example_kwargs=call.kwargs).peak_bytes
-    assert measured <= planned.budget_bytes, (
-        f"{name}: measured {measured} over budget {planned.budget_bytes}\n{plan.summary()}"
-    )
-    error = abs(plan.predicted_peak_bytes - measured) / measured
-    assert error <= PREDICTION_TOLERANCE, (
-        f"{name}: predicted {plan.predicted_peak_bytes}, measured {measured}"
-    )
-    assert_same_step(
-        one_step(call.model, call.args, kwargs=call.kwargs),
-        one_step(plan.module, call.args, kwargs=call.kwargs),
-    )
+    assert_fits_predicts_and_trains(name, call, plan, planned.budget_bytes)
 
 
 class BareBranches(nn.Module):
@@ -193,16 +202,7 @@ def test_real_models_fit_predict_within_two_percent_and_keep_gradients(name: str
     lowest, baseline = reference.min_peak_bytes, reference.baseline_peak_bytes
     budget = int(lowest + fraction * (baseline - lowest))
     plan = reference.replan(budget_bytes=budget)
-    measured = planner.measure(copy.deepcopy(plan.module), call.args, example_kwargs=call.kwargs).peak_bytes
-    assert measured <= budget, f"{name}: measured {measured} over budget {budget}\n{plan.summary()}"
-    error = abs(plan.predicted_peak_bytes - measured) / measured
-    assert error <= PREDICTION_TOLERANCE, (
-        f"{name}: predicted {plan.predicted_peak_bytes}, measured {measured}"
-    )
-    assert_same_step(
-        one_step(call.model, call.args, kwargs=call.kwargs),
-        one_step(plan.module, call.args, kwargs=call.kwargs),
-    )
+    assert_fits_predicts_and_trains(name, call, plan, budget)
 
 
 @cache

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from planner.blocks import block_numbers
+from planner.blocks import block_number, block_numbers
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Region
 from planner.naming import (
@@ -146,7 +146,7 @@ def _is_root_sequential(graph: ActivationGraph) -> bool:
     for node in graph.nodes:
         if not node.module_path:
             seen_functional = True
-        elif seen_functional or not node.module_path.split(".")[0].isdigit():
+        elif seen_functional or block_number(node.module_path, "") is None:
             return False
     return True
 

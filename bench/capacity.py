@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from plan_llama7b import LlamaConfig, LlamaStyle
 
 import planner
+from bench.plan_llama7b import LlamaConfig, LlamaStyle
 from planner.errors import format_bytes
 from planner.sizing import render_weighing
 

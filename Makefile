@@ -23,7 +23,7 @@ test: lint
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
-	$(PY) bench/fidelity.py
+	$(PY) -m bench.fidelity
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from api.jobs import Job, JobError, JobStatus
+from planner.graph_api import Frontier
 from planner.ir import (
     GRAPH_SCHEMA,
     PLAN_SCHEMA,
@@ -29,7 +30,6 @@ from planner.ir import (
 )
 from planner.serialize import schedule_to_dict
 from planner.solvers import SOLVERS
-from planner.solving import Frontier
 
 __all__ = [
     "ErrorItem",

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 from api.schemas import ParetoView
+from planner.graph_api import pareto_frontier, plan_graph
 from planner.serialize import graph_from_dict
-from planner.solving import pareto_frontier, plan_graph
 
 __all__ = ["solve_pareto", "solve_plan"]
 

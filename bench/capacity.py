@@ -9,7 +9,7 @@ it also weighs accumulation against checkpointing on the largest card. It writes
 wall time and load average (target: under 2 minutes on the 2-core machine). docs/results.md states the
 cards' rows in its own words: update it after a run.
 
-    .venv/bin/python bench/capacity.py [--sequence 4096] [--batch-max 64] [--cards 24,40,80]
+    .venv/bin/python -m bench.capacity [--sequence 4096] [--batch-max 64] [--cards 24,40,80]
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from plan_llama7b import LlamaConfig, LlamaStyle
 
 import planner
+from bench.plan_llama7b import LlamaConfig, LlamaStyle
 from planner.errors import format_bytes
 from planner.sizing import render_weighing
 

@@ -3,8 +3,8 @@
 Why it exists: the planner claims "fits the budget, with the least recompute". That claim holds only if
 it is measured beside what users would otherwise do, on the same machine, in the same run. Per model
 (GPT-2-, BERT- and Llama-style transformers, a ViT, ResNet-, DenseNet- and U-Net-style CNNs from
-`planner.zoo_real`, and the seed models of `planner.zoo.FIDELITY_ZOO`), each in a process of its own so
-that compiled code and memory do not leak from one model into the next, it measures these rows:
+`planner.testing.zoo_real`, and the seed models of `planner.zoo.FIDELITY_ZOO`), each in a process of its
+own so that compiled code and memory do not leak from one model into the next, it measures these rows:
 
 eager
     no checkpointing; "sqrt(n) segments" (`checkpoint_sequential`) and "every block"
@@ -45,9 +45,9 @@ compared with compiled no checkpointing (same seed, so the same masks in the for
 checkpointing is compared with the eager model where their losses agree. Inductor reorders reductions,
 so float32 gradients differ by rounding, and by up to a few percent of a tensor whose true gradient is
 ~0 (a bias before BatchNorm): compiled rows pass when the loss and the gradient of the whole model agree
-to `COMPILED_GRADIENT_RTOL` of its norm (`peers.gradient_error`). (`torch._inductor.config.fallback_random`
-would draw eager's masks, but then a random op that the partitioner recomputes draws a new mask: not what
-users run.)
+to `COMPILED_GRADIENT_RTOL` of its norm (`planner.testing.steps.gradient_error`).
+(`torch._inductor.config.fallback_random` would draw eager's masks, but then a random op that the
+partitioner recomputes draws a new mask: not what users run.)
 
 NOTE [compiled budgets]: our compiled rows plan the compiled step itself, so a compiled peer's measured
 peak P is their budget as it is, in the same currency (the allocator's bytes of the whole step). The
@@ -71,12 +71,12 @@ from eager runs.
 
 Run from the repository root (two models at a time by default, `--jobs`; see `DEFAULT_JOBS`):
 
-    .venv/bin/python bench/compare.py --quick      # 2 small models, 3 rounds, fractions 1.0 and 0.0
-    .venv/bin/python bench/compare.py              # the whole zoo, 7 rounds, fractions 1.0/0.5/0.2/0.0
-    .venv/bin/python bench/compare.py --models gpt_tiny,hf_gpt2 --out /tmp/compare.json
-    .venv/bin/python bench/compare.py --device cuda    # its own files: compare_cuda.{json,md,png}
-    .venv/bin/python bench/compare.py --render bench/results/compare.json    # tables and plot again
-    .venv/bin/python bench/compare.py --compiled-only --out /tmp/compiled.json  # compiled rows alone
+    .venv/bin/python -m bench.compare --quick      # 2 small models, 3 rounds, fractions 1.0 and 0.0
+    .venv/bin/python -m bench.compare              # the whole zoo, 7 rounds, fractions 1.0/0.5/0.2/0.0
+    .venv/bin/python -m bench.compare --models gpt_tiny,hf_gpt2 --out /tmp/compare.json
+    .venv/bin/python -m bench.compare --device cuda    # its own files: compare_cuda.{json,md,png}
+    .venv/bin/python -m bench.compare --render bench/results/compare.json    # tables and plot again
+    .venv/bin/python -m bench.compare --compiled-only --out /tmp/compiled.json  # compiled rows alone
 
 Results: JSON at `--out` (default `bench/results/compare.json`, `compare_quick.json` with `--quick`), the
 markdown tables (`.md`, also printed to stdout; verdicts and rendering live in bench/compare_report.py) and
@@ -91,6 +91,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -107,7 +108,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from compare_report import (
+
+import planner
+from bench.compare_report import (
     NO_CHECKPOINTING,
     Family,
     Mode,
@@ -119,41 +122,44 @@ from compare_report import (
     plot,
     result_from_dict,
 )
-from docs_tables import refresh_quotes
-from peers import (
+from bench.docs_tables import refresh_quotes
+from bench.peers import (
     EVERY_BLOCK,
+    GRADIENT_RTOL,
     SQRT_SEGMENTS,
     Contender,
-    StepRecord,
-    Variant,
-    buffer_mismatch,
     contender,
-    copied_variant,
     every_block_peer,
-    gradient_error,
-    gradient_mismatch,
     interleaved_step_ms,
     machine,
     mib,
-    one_step,
     paired_ratio,
     planner_revision,
-    record_step,
     sqrt_segments_peer,
-    variant_of,
 )
-
-import planner
 from planner import zoo
 from planner.compiled import plan_compiled_step
+from planner.graph_api import plan_graph
 from planner.ir import TrainingStep
 from planner.measurement import AllocatorPhases, default_loss, storage_bytes, tensors_in
-from planner.solving import plan_graph
-from planner.zoo_real import ExampleCall, build_call
+from planner.testing.steps import (
+    StepRecord,
+    Variant,
+    buffer_mismatch,
+    copied_variant,
+    gradient_error,
+    gradient_mismatch,
+    one_step,
+    record_step,
+    variant_of,
+)
+from planner.testing.zoo_real import ExampleCall, build_call
 
 log = logging.getLogger("bench.compare")
 
 RESULTS_DIRECTORY = Path(__file__).resolve().parent / "results"
+REPOSITORY = Path(__file__).resolve().parent.parent
+"""Where the workers run `python -m bench.compare`."""
 REAL_MODELS = ("hf_gpt2", "hf_bert", "hf_llama", "hf_vit", "resnet", "densenet", "unet")
 MODELS = (*zoo.FIDELITY_ZOO, *REAL_MODELS)
 QUICK_MODELS = ("seed000_mlp", "seed002_cifar10")
@@ -344,17 +350,17 @@ def step_memory(module: torch.nn.Module, call: ExampleCall, mode: Mode) -> StepM
     return StepMemory(peak_bytes=measured.peak_bytes, kept_after_forward_bytes=None, ran_compiled=None)
 
 
-def check_gradients(row: Row, record: StepRecord, reference: StepRecord, names: list[str]) -> None:
+def check_gradients(row: Row, record: StepRecord, reference: StepRecord) -> None:
     """Eager rows: every gradient to `GRADIENT_RTOL` of its scale, buffers bitwise. Compiled rows: loss and
     the whole gradient to `COMPILED_GRADIENT_RTOL` (NOTE [compiled gradients]), buffers to
     `COMPILED_BUFFER_RTOL`."""
     row.gradient_error = gradient_error(reference, record)
     if row.mode is Mode.EAGER:
-        row.gradient_mismatch = gradient_mismatch(reference, record)
-        row.buffers_equal = buffer_mismatch(reference, record, names) is None
+        row.gradient_mismatch = gradient_mismatch(reference, record, rtol=GRADIENT_RTOL)
+        row.buffers_equal = buffer_mismatch(reference, record) is None
     else:
         row.gradient_mismatch = compiled_mismatch(record, reference, row.gradient_error)
-        row.buffers_equal = buffer_mismatch(reference, record, names, rtol=COMPILED_BUFFER_RTOL) is None
+        row.buffers_equal = buffer_mismatch(reference, record, rtol=COMPILED_BUFFER_RTOL) is None
     row.gradients_equal = row.gradient_mismatch is None
 
 
@@ -366,11 +372,11 @@ def compiled_mismatch(record: StepRecord, reference: StepRecord, error: float) -
     return None
 
 
-def check_compiled_baseline(row: Row, record: StepRecord, eager: StepRecord, names: list[str]) -> None:
+def check_compiled_baseline(row: Row, record: StepRecord, eager: StepRecord) -> None:
     """Compiled no checkpointing against eager, unless inductor drew other dropout masks (NOTE [compiled
     gradients]): then the forward differs, and only the compiled rows can be compared, with this one."""
     if torch.allclose(record.loss, eager.loss, rtol=COMPILED_GRADIENT_RTOL, atol=0.0):
-        check_gradients(row, record, eager, names)
+        check_gradients(row, record, eager)
     else:
         row.gradient_mismatch = DIFFERENT_MASKS
 
@@ -381,18 +387,17 @@ def measure_candidate(candidate: Candidate, call: ExampleCall, reference: StepRe
     Eager variants are measured on copies. A compiled variant is measured in place (a copy would
     compile again): first the gradient step, then two Adam steps; it is timed after that.
     """
-    names = [name for name, _ in call.model.named_buffers()]
     row, variant = candidate.row, candidate.variant
     if row.mode is Mode.EAGER:
         record = one_step(variant, call.args, kwargs=call.kwargs)
-        check_gradients(row, record, reference, names)
+        check_gradients(row, record, reference)
         memory = step_memory(copy.deepcopy(variant.module), call, row.mode)
     else:
         record = record_step(variant, call.args, kwargs=call.kwargs)
         if row.family is Family.BASELINE:
-            check_compiled_baseline(row, record, reference, names)
+            check_compiled_baseline(row, record, reference)
         else:
-            check_gradients(row, record, reference, names)
+            check_gradients(row, record, reference)
         memory = step_memory(variant.module, call, row.mode)
     row.peak_bytes, row.kept_after_forward_bytes = memory.peak_bytes, memory.kept_after_forward_bytes
     row.ran_compiled = memory.ran_compiled
@@ -500,7 +505,7 @@ class OurPlans:
         if key not in self.by_schedule:
             assert plan.module is not None
             model = self.call.model
-            self.by_schedule[key] = Variant(plan.module, tuple(model.parameters()), tuple(model.buffers()))
+            self.by_schedule[key] = dataclasses.replace(variant_of(model), module=plan.module)
         return self.by_schedule[key]
 
 
@@ -771,7 +776,8 @@ def run_in_subprocess(name: str, settings: Settings, directory: Path) -> ModelRe
     out = directory / f"{name}.json"
     command = [
         sys.executable,
-        __file__,
+        "-m",
+        "bench.compare",
         "--worker",
         name,
         "--worker-out",
@@ -782,7 +788,7 @@ def run_in_subprocess(name: str, settings: Settings, directory: Path) -> ModelRe
     command += ["--threads", str(worker_threads(settings.jobs)), *(["--quick"] if settings.quick else [])]
     command += ["--compiled-only"] if settings.compiled_only else []
     try:
-        subprocess.run(command, check=True, timeout=MODEL_TIMEOUT_S)
+        subprocess.run(command, check=True, timeout=MODEL_TIMEOUT_S, cwd=REPOSITORY)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
         log.error("%s failed: %s", name, error)
         return ModelResult(name=name, device=settings.device, error=f"{type(error).__name__}: {error}")

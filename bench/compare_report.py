@@ -19,7 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from peers import EVERY_BLOCK, MIB, SQRT_SEGMENTS, fmt, mib, yes_no
+from bench.peers import EVERY_BLOCK, MIB, SQRT_SEGMENTS, fmt, mib, yes_no
 
 __all__ = [
     "NO_CHECKPOINTING",

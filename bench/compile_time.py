@@ -16,8 +16,8 @@ inductor's FX-graph and AOT-autograd caches off, so every kernel is generated an
 B is the budget halfway between the planned lowest peak and the planned peak without checkpointing,
 found first in a third interpreter without compiling (`plan_compiled_step`).
 
-    .venv/bin/python bench/compile_time.py                       # the compare bench's models
-    .venv/bin/python bench/compile_time.py --models gpt_tiny,unet --out /tmp/compile_time.json
+    .venv/bin/python -m bench.compile_time                       # the compare bench's models
+    .venv/bin/python -m bench.compile_time --models gpt_tiny,unet --out /tmp/compile_time.json
 
 Results: JSON at `--out` (default bench/results/compile_time.json) and a markdown table beside it. The
 machine's load average is recorded before the first model: timings on a shared machine are noisy.
@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from compare import MODELS, build_example
-from peers import machine
 
 import planner
+from bench.compare import MODELS, build_example
+from bench.peers import machine
 from planner.compiled import plan_compiled_step
 from planner.errors import UnsupportedModel
 from planner.ir import TrainingStep
@@ -120,7 +120,8 @@ def _in_fresh_process(kind: str, name: str, *arguments: int) -> dict[str, Any]:
         result = Path(out) / "result.json"
         command = [
             sys.executable,
-            __file__,
+            "-m",
+            "bench.compile_time",
             "--worker",
             kind,
             name,
@@ -128,7 +129,9 @@ def _in_fresh_process(kind: str, name: str, *arguments: int) -> dict[str, Any]:
             "--worker-out",
             str(result),
         ]
-        subprocess.run(command, check=True, env=environment, timeout=WORKER_TIMEOUT_S)
+        subprocess.run(
+            command, check=True, env=environment, timeout=WORKER_TIMEOUT_S, cwd=RESULTS.parent.parent
+        )
         return json.loads(result.read_text())
 
 

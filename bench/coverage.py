@@ -1,7 +1,7 @@
 """Coverage benchmark: which real models plan without edits, by which capture path, and how faithfully.
 
 Why it exists: the planner's promise has to hold on the models people train, not only on the seed
-threads' chains. For every entry of `planner.zoo_real` (Hugging Face GPT-2, BERT, Llama, T5 and ViT
+threads' chains. For every entry of `planner.testing.zoo_real` (Hugging Face GPT-2, BERT, Llama, T5 and ViT
 from random-weight configs; nn.TransformerEncoder/Decoder; ResNet/DenseNet/U-Net-style CNNs; keyword
 inputs with dataclass/dict/tuple outputs; in-place ops; tied weights; hooks; a root that branches on a
 tensor) and for two of them under bf16 autocast, it records:
@@ -21,8 +21,8 @@ tensor) and for two of them under bf16 autocast, it records:
 
 It asserts nothing: a miss is a row. Run from the repository root:
 
-    .venv/bin/python bench/coverage.py                        # every entry, ~3-6 min on 2 CPU cores
-    .venv/bin/python bench/coverage.py --models resnet,hf_gpt2 --out /tmp/coverage.json
+    .venv/bin/python -m bench.coverage                        # every entry, ~3-6 min on 2 CPU cores
+    .venv/bin/python -m bench.coverage --models resnet,hf_gpt2 --out /tmp/coverage.json
 
 Results: JSON at `--out` (default `bench/results/coverage.json`) and the markdown table beside it
 (`.md`; the table also goes to stdout). Writing the default results also rewrites the table docs/coverage.md
@@ -48,11 +48,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from docs_tables import refresh_quotes
 
 import planner
-from planner.measurement import default_loss
-from planner.zoo_real import REAL_ZOO, ExampleCall, build_call
+from bench.docs_tables import refresh_quotes
+from planner.testing.steps import StepRecord, max_gradient_difference, one_step
+from planner.testing.zoo_real import REAL_ZOO, ExampleCall, build_call
 
 log = logging.getLogger("bench.coverage")
 
@@ -60,7 +60,6 @@ RESULTS_DIRECTORY = Path(__file__).resolve().parent / "results"
 MID_FRACTION = 0.5
 PREDICTION_TOLERANCE = 0.05
 GRADIENT_RTOL = 1e-6
-STEP_SEED = 1234
 AUTOCAST_ROWS = ("tied_lm", "hf_bert")
 """Entries also planned and trained under bf16 autocast."""
 MIB = 2**20
@@ -107,31 +106,15 @@ def _precision(name: str) -> Iterator[None]:
         yield
 
 
-def _step(
-    module: torch.nn.Module, call: ExampleCall, precision: str
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _step(module: torch.nn.Module, call: ExampleCall, precision: str) -> StepRecord:
     """Loss and gradients of one step on a copy: forward under `precision`, backward outside it."""
-    module = copy.deepcopy(module)
-    torch.manual_seed(STEP_SEED)
-    with _precision(precision):
-        loss = default_loss(module(*call.args, **call.kwargs))
-    loss.backward()
-    gradients = {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
-    return loss.detach(), gradients
+    return one_step(module, call.args, kwargs=call.kwargs, forward_context=_precision(precision))
 
 
-def _compare(
-    expected: tuple[torch.Tensor, dict[str, torch.Tensor]],
-    actual: tuple[torch.Tensor, dict[str, torch.Tensor]],
-) -> tuple[bool, float]:
+def _compare(expected: StepRecord, actual: StepRecord) -> tuple[bool, float]:
     """(same within GRADIENT_RTOL, largest gradient difference relative to the gradient's scale)."""
-    if expected[1].keys() != actual[1].keys():
-        return False, float("inf")
-    worst = max(
-        ((actual[1][name] - gradient).abs().max() / (gradient.abs().max() or 1.0)).item()
-        for name, gradient in expected[1].items()
-    )
-    same_loss = torch.allclose(actual[0], expected[0], rtol=GRADIENT_RTOL, atol=0.0)
+    worst = max_gradient_difference(expected, actual)
+    same_loss = torch.allclose(actual.loss, expected.loss, rtol=GRADIENT_RTOL, atol=0.0)
     return same_loss and worst <= GRADIENT_RTOL, worst
 
 

@@ -22,9 +22,9 @@ step of every variant in a rotating order, so that drift in the machine's speed 
 
 Run from the repository root:
 
-    .venv/bin/python bench/fidelity.py                      # everything: 2.3 minutes on an idle 2-core CPU
-    .venv/bin/python bench/fidelity.py --quick              # 3 budgets, 3 timing rounds
-    .venv/bin/python bench/fidelity.py --models gpt_tiny,seed000_mlp --out /tmp/fidelity.json
+    .venv/bin/python -m bench.fidelity                      # everything: 2.3 minutes on an idle 2-core CPU
+    .venv/bin/python -m bench.fidelity --quick              # 3 budgets, 3 timing rounds
+    .venv/bin/python -m bench.fidelity --models gpt_tiny,seed000_mlp --out /tmp/fidelity.json
 
 Results: JSON at `--out` (default `bench/results/fidelity.json`, or `fidelity_quick.json` with `--quick`)
 and the markdown tables beside it (same name, `.md`, written by fidelity_report.py), also printed to
@@ -47,7 +47,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fidelity_report import (
+from torch import nn
+
+import planner
+from bench.fidelity_report import (
     ModelReport,
     PeerComparison,
     SolverLadder,
@@ -55,31 +58,31 @@ from fidelity_report import (
     SweepPoint,
     markdown,
 )
-from peers import (
+from bench.peers import (
     EVERY_BLOCK,
+    GRADIENT_RTOL,
     MIB,
     SQRT_SEGMENTS,
-    StepRecord,
-    Variant,
-    buffer_mismatch,
     contender,
     every_block_peer,
     fmt,
-    fresh_inputs,
-    gradient_mismatch,
     interleaved_step_ms,
     machine,
     mib,
-    one_step,
     paired_ratio,
     planner_revision,
     sqrt_segments_peer,
+)
+from planner import zoo
+from planner.testing.steps import (
+    StepRecord,
+    Variant,
+    buffer_mismatch,
+    fresh_inputs,
+    gradient_mismatch,
+    one_step,
     variant_of,
 )
-from torch import nn
-
-import planner
-from planner import zoo
 
 log = logging.getLogger("bench.fidelity")
 
@@ -151,10 +154,9 @@ def compare_with_peer(
         return PeerComparison(peer=name, description="", not_applicable=description)
     result = PeerComparison(peer=name, description=description)
     peer_step = one_step(peer, inputs)
-    result.gradient_mismatch = gradient_mismatch(reference, peer_step)
+    result.gradient_mismatch = gradient_mismatch(reference, peer_step, rtol=GRADIENT_RTOL)
     result.gradients_equal = result.gradient_mismatch is None
-    buffer_names = [name for name, _ in model.named_buffers()]
-    result.buffer_mismatch = buffer_mismatch(reference, peer_step, buffer_names)
+    result.buffer_mismatch = buffer_mismatch(reference, peer_step)
     result.buffers_equal = result.buffer_mismatch is None
     result.peer_measured_peak_bytes = measured_peak_bytes(peer.module, inputs)
     result.ours_budget_bytes = result.peer_measured_peak_bytes
@@ -174,8 +176,8 @@ def compare_with_peer(
     result.ours_measured_peak_bytes = measured_peak_bytes(ours, inputs)
     result.ours_not_above_peer = result.ours_measured_peak_bytes <= result.peer_measured_peak_bytes
     ours_step = one_step(Variant(ours, source.parameters, source.buffers), inputs)
-    result.ours_gradients_equal = gradient_mismatch(reference, ours_step) is None
-    result.ours_buffers_equal = buffer_mismatch(reference, ours_step, buffer_names) is None
+    result.ours_gradients_equal = gradient_mismatch(reference, ours_step, rtol=GRADIENT_RTOL) is None
+    result.ours_buffers_equal = buffer_mismatch(reference, ours_step) is None
     result.timing = time_against_peer(ours, peer.module, model, inputs, rounds=rounds)
     log.info(
         "  %s: peer %.2f MiB, ours %s, step ratio ours/peer %s",
@@ -217,7 +219,7 @@ def solver_ladder(
         ladder.predicted_recompute_ms[solver] = plan.simulation.recompute_ms
         ladder.keeps[solver] = sum(len(region.keep) for region in plan.schedule.regions)
         step = one_step(Variant(plan.module, source.parameters, source.buffers), inputs)
-        ladder.gradients_equal[solver] = gradient_mismatch(reference, step) is None
+        ladder.gradients_equal[solver] = gradient_mismatch(reference, step, rtol=GRADIENT_RTOL) is None
     ladder.same_plan = schedules["dp"] == schedules["ilp"]
     if ladder.same_plan:
         del modules["ilp"]

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from peers import EVERY_BLOCK, fmt, mib, yes_no
+from bench.peers import EVERY_BLOCK, fmt, mib, yes_no
 
 PREDICTION_TOLERANCE = 0.05
 OPTIMIZE_TARGET_S = 10.0

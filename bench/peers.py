@@ -8,8 +8,9 @@ must build, check and time them the same way, so the peers live here once:
 - "every block": what `gradient_checkpointing_enable` does: each block under its own non-reentrant
   checkpoint (Hugging Face's own switch on a Hugging Face model, `checkpoint_wrapper` elsewhere).
 
-Each peer is built on a deep copy (`Variant`), its loss, gradients and buffers are compared with the
-unmodified model's after one step under one seed (dropout included), and training steps are timed in
+Each peer is built on a deep copy (a `Variant`, planner/testing/steps.py, which compares its loss,
+gradients and buffers with the unmodified model's after one step under one seed, dropout included;
+`GRADIENT_RTOL` is the benches' tolerance there), and training steps are timed in
 interleaved rounds (`interleaved_step_ms`) so that drift in the machine's speed hits every variant
 alike. A model's example call is `model(*inputs, **kwargs)`; `kwargs` may be omitted.
 """
@@ -34,7 +35,9 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint_sequential
 
+from planner.blocks import longest_block_stack
 from planner.measurement import default_loss
+from planner.testing.steps import Variant, fresh_inputs, fresh_kwargs, variant_of
 
 __all__ = [
     "EVERY_BLOCK",
@@ -43,57 +46,26 @@ __all__ = [
     "SQRT_SEGMENTS",
     "BlockContainer",
     "Contender",
-    "StepRecord",
-    "Variant",
-    "buffer_mismatch",
     "contender",
-    "copied_variant",
     "every_block_peer",
     "find_block_container",
     "fmt",
-    "fresh_inputs",
-    "fresh_kwargs",
-    "gradient_error",
-    "gradient_mismatch",
     "interleaved_step_ms",
     "machine",
     "mib",
-    "one_step",
     "paired_ratio",
     "planner_revision",
-    "record_step",
     "sqrt_segments_peer",
-    "variant_of",
     "yes_no",
 ]
 
 WARMUP_STEPS = 2
 GRADIENT_RTOL = 1e-5
-STEP_SEED = 1234
-"""Seed set before each compared forward, so dropout draws the same masks in every variant."""
 MIN_CONTAINER_CHILDREN = 3
 MIB = 2**20
 SQRT_SEGMENTS = "sqrt(n) segments"
 EVERY_BLOCK = "every block"
 NO_REENTRANT = {"use_reentrant": False}
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A model variant and, in the unmodified model's order, the parameters and buffers it trains."""
-
-    module: nn.Module
-    parameters: tuple[nn.Parameter, ...]
-    buffers: tuple[torch.Tensor, ...]
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """Loss, gradients (parameters, then inputs) and buffers after one forward and backward."""
-
-    loss: torch.Tensor
-    gradients: tuple[torch.Tensor | None, ...]
-    buffers: tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)
@@ -105,135 +77,14 @@ class BlockContainer:
     child_names: tuple[str, ...]
 
 
-def fresh_inputs(inputs: Sequence[Any]) -> tuple[Any, ...]:
-    """Copies of the example inputs, so no variant sees another's `.grad` or in-place change."""
-    return tuple(
-        value.detach().clone().requires_grad_(value.requires_grad)
-        if isinstance(value, torch.Tensor)
-        else value
-        for value in inputs
-    )
-
-
-def fresh_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Copies of the example keyword inputs (see `fresh_inputs`)."""
-    if not kwargs:
-        return {}
-    return dict(zip(kwargs, fresh_inputs(tuple(kwargs.values())), strict=True))
-
-
-def variant_of(module: nn.Module) -> Variant:
-    return Variant(module=module, parameters=tuple(module.parameters()), buffers=tuple(module.buffers()))
-
-
-def copied_variant(variant: Variant) -> Variant:
-    """A deep copy of `variant` whose parameter and buffer lists still line up with the unmodified model's."""
-    memo: dict[int, Any] = {}
-    module = copy.deepcopy(variant.module, memo)
-    return Variant(
-        module=module,
-        parameters=tuple(memo[id(parameter)] for parameter in variant.parameters),
-        buffers=tuple(memo[id(buffer)] for buffer in variant.buffers),
-    )
-
-
-def record_step(
-    variant: Variant, inputs: Sequence[Any], *, kwargs: Mapping[str, Any] | None = None
-) -> StepRecord:
-    """Forward and backward of `variant` itself (its gradients and buffers change) under `STEP_SEED`."""
-    step_inputs = fresh_inputs(inputs)
-    torch.manual_seed(STEP_SEED)
-    loss = default_loss(variant.module(*step_inputs, **fresh_kwargs(kwargs)))
-    loss.backward()
-    input_gradients = [
-        value.grad for value in step_inputs if isinstance(value, torch.Tensor) and value.requires_grad
-    ]
-    return StepRecord(
-        loss=loss.detach(),
-        gradients=tuple(p.grad for p in variant.parameters) + tuple(input_gradients),
-        buffers=tuple(buffer.detach().clone() for buffer in variant.buffers),
-    )
-
-
-def one_step(
-    variant: Variant, inputs: Sequence[Any], *, kwargs: Mapping[str, Any] | None = None
-) -> StepRecord:
-    """Forward and backward of a copy of `variant` under `STEP_SEED`."""
-    return record_step(copied_variant(variant), inputs, kwargs=kwargs)
-
-
-def gradient_mismatch(expected: StepRecord, actual: StepRecord, *, rtol: float = GRADIENT_RTOL) -> str | None:
-    """Why the loss or a gradient differs beyond `rtol` (of the gradient's scale), or None when they match."""
-    try:
-        torch.testing.assert_close(actual.loss, expected.loss, rtol=rtol, atol=0.0)
-        for index, (want, got) in enumerate(zip(expected.gradients, actual.gradients, strict=True)):
-            if want is None or got is None:
-                if want is not got:
-                    return f"gradient {index}: one variant has no gradient"
-                continue
-            scale = want.abs().max().item() or 1.0
-            torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * scale)
-    except AssertionError as error:
-        return str(error).splitlines()[0]
-    return None
-
-
-def gradient_error(expected: StepRecord, actual: StepRecord) -> float:
-    """||actual - expected|| / ||expected|| over all gradients at once (inf when only one has a gradient).
-
-    One norm over the whole model, unlike `gradient_mismatch`'s per-tensor scale: a parameter whose true
-    gradient is ~0 (a bias before a BatchNorm) has a per-tensor scale made of rounding noise.
-    """
-    difference_squared = reference_squared = 0.0
-    for want, got in zip(expected.gradients, actual.gradients, strict=True):
-        if want is None or got is None:
-            if want is not got:
-                return math.inf
-            continue
-        difference_squared += (got.double() - want.double()).square().sum().item()
-        reference_squared += want.double().square().sum().item()
-    return (
-        math.sqrt(difference_squared / reference_squared)
-        if reference_squared
-        else math.sqrt(difference_squared)
-    )
-
-
-def buffer_mismatch(
-    expected: StepRecord, actual: StepRecord, names: Sequence[str], *, rtol: float = 0.0
-) -> str | None:
-    """Which buffers (BatchNorm statistics) differ after one step, bitwise or (with `rtol`) by more than
-    `rtol` of the buffer's largest value; None when all agree."""
-    differing = [
-        name
-        for name, want, got in zip(names, expected.buffers, actual.buffers, strict=True)
-        if not (torch.equal(want, got) or (rtol > 0 and close_to_scale(got, want, rtol=rtol)))
-    ]
-    if not differing:
-        return None
-    return f"{len(differing)} of {len(names)} buffers differ after one step, first {differing[0]!r}"
-
-
-def close_to_scale(got: torch.Tensor, want: torch.Tensor, *, rtol: float) -> bool:
-    if not want.is_floating_point():
-        return torch.equal(got, want)
-    scale = want.abs().max().item() or 1.0
-    return torch.allclose(got, want, rtol=rtol, atol=rtol * scale)
-
-
 def find_block_container(model: nn.Module) -> BlockContainer:
     """The root if it is a Sequential, else the Sequential/ModuleList with most children, else the root."""
     if isinstance(model, nn.Sequential):
         return BlockContainer(path="", kind="Sequential", child_names=tuple(model._modules))
-    candidates = [
-        (path, module)
-        for path, module in model.named_modules()
-        if isinstance(module, nn.Sequential | nn.ModuleList)
-    ]
-    if candidates:
-        path, module = max(candidates, key=lambda pair: len(pair[1]))
-        if len(module) >= MIN_CONTAINER_CHILDREN:
-            return BlockContainer(path=path, kind=type(module).__name__, child_names=tuple(module._modules))
+    stack = longest_block_stack(model)
+    if stack is not None and len(stack[1]) >= MIN_CONTAINER_CHILDREN:
+        path, module = stack
+        return BlockContainer(path=path, kind=type(module).__name__, child_names=tuple(module._modules))
     return BlockContainer(path="", kind="root children", child_names=tuple(model._modules))
 
 

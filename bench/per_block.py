@@ -16,7 +16,7 @@ model (the user-report zoo and the real-model zoo, DAG-shaped models included) t
 Models planned by submodules (capture "module") are listed with their reason and no plan, see
 docs/limits.md. Run from the repository root (about 4 min on 2 CPU cores):
 
-    .venv/bin/python bench/per_block.py [--models unet_deep,vit_torch_encoder] [--rounds 7]
+    .venv/bin/python -m bench.per_block [--models unet_deep,vit_torch_encoder] [--rounds 7]
 
 Writes `bench/results/per_block.json` and `bench/results/per_block.md`; docs/plan-space.md quotes the rows of
 the DAG-shaped models by hand.
@@ -32,14 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peers import contender, interleaved_step_ms, machine, mib, paired_ratio, planner_revision
-
 import planner
-from planner.capture import has_hooks
-from planner.module_level import MODULE_LEVEL
+from bench.peers import contender, interleaved_step_ms, machine, mib, paired_ratio, planner_revision
+from planner.capture import CapturePath, has_hooks
+from planner.testing.zoo_real import REAL_ZOO, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
 from planner.zoo_dag import checkpoint_every_instance, repeated_module_types
-from planner.zoo_real import REAL_ZOO, ExampleCall, build_call
 
 log = logging.getLogger("bench.per_block")
 
@@ -66,7 +64,7 @@ def hand_variants(call: ExampleCall) -> dict[str, Any]:
 def model_row(name: str, rounds: int) -> dict[str, Any]:
     call = example_call(name)
     row: dict[str, Any] = {"model": name}
-    if name in REAL_ZOO and REAL_ZOO[name].capture == MODULE_LEVEL:
+    if name in REAL_ZOO and REAL_ZOO[name].capture == CapturePath.MODULE:
         row["skipped"] = "planned by submodules: replays are over-predicted by the units' outputs"
         return row
     variants = hand_variants(call)

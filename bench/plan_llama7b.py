@@ -6,7 +6,7 @@ analytic cost model for an H100, and solved. The script reports planning wall ti
 peak RSS (targets: under 2 minutes and 4 GiB) and writes `bench/results/llama7b.json`
 (docs/results.md quotes it).
 
-    .venv/bin/python bench/plan_llama7b.py [--layers 32] [--budget-gib 80] [--sequence 2048]
+    .venv/bin/python -m bench.plan_llama7b [--layers 32] [--budget-gib 80] [--sequence 2048]
 """
 
 from __future__ import annotations

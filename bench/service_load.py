@@ -13,7 +13,7 @@ docs/service.md (Load) states it in a table by hand.
 PostgreSQL is a throwaway server started from Debian's binaries (tests/api/postgres_server.py), unless
 `--postgres-url` names one (each set-up then creates a database of its own on it).
 
-    .venv/bin/python bench/service_load.py --sizes 100 300 900 --graphs-per-size 16 --clients 8
+    .venv/bin/python -m bench.service_load --sizes 100 300 900 --graphs-per-size 16 --clients 8
 """
 
 from __future__ import annotations
@@ -40,10 +40,8 @@ from planner.serialize import graph_to_dict
 from planner.simulate import simulate, store_everything
 from planner.solvers import lowest_peak
 from planner.synthetic import residual_graph
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "api"))
-from postgres_server import fresh_database, running_postgres  # noqa: E402 - the tests' one copy
-from service_helpers import free_port, wait_until_healthy  # noqa: E402
+from tests.api.postgres_server import fresh_database, running_postgres  # the tests' one copy
+from tests.api.service_helpers import free_port, wait_until_healthy
 
 log = logging.getLogger("service_load")
 
@@ -234,7 +232,7 @@ def main() -> None:
             run_setup("2 replicas, one PostgreSQL", fresh_database(server_url), count=2, **common),
         ]
     report = {
-        "command": " ".join(["python", "bench/service_load.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "-m", "bench.service_load", *sys.argv[1:]]),
         "cpu_count": os.cpu_count(),
         "load_average_1min_at_start": round(load_average, 2),
         "setups": [asdict(result) for result in results],

@@ -20,7 +20,7 @@ afresh and with one block repeated (as transformer layers are), and on DAGs up t
 Writes `bench/results/solvers.json` and `bench/results/solvers.md`, and rewrites the two tables of it that
 docs/results.md quotes (bench/docs_tables.py).
 
-    .venv/bin/python bench/solvers.py [--sizes 100,500,2000,10000] [--ilp-max-nodes 2000] [--repeats 3]
+    .venv/bin/python -m bench.solvers [--sizes 100,500,2000,10000] [--ilp-max-nodes 2000] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from docs_tables import refresh_quotes
-from peers import machine, planner_revision
-
 import planner
+from bench.docs_tables import refresh_quotes
+from bench.peers import machine, planner_revision
 from planner.ir import ActivationGraph
 from planner.simulate import simulate, store_everything
 from planner.solvers import lowest_peak, solve

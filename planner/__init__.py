@@ -34,10 +34,10 @@ from planner.plan import Plan
 
 if TYPE_CHECKING:
     from planner.capacity_search import Capacity, capacity
+    from planner.graph_api import plan_graph
     from planner.measurement import MeasuredStep
-    from planner.planning import measure, optimize, pareto
     from planner.profiling import Profile, profile
-    from planner.solving import plan_graph
+    from planner.torch_api import measure, optimize, pareto
 
 __all__ = [
     "Capacity",
@@ -61,10 +61,10 @@ __all__ = [
 ]
 
 _LAZY = {
-    "optimize": "planner.planning",
-    "measure": "planner.planning",
-    "pareto": "planner.planning",
-    "plan_graph": "planner.solving",
+    "optimize": "planner.torch_api",
+    "measure": "planner.torch_api",
+    "pareto": "planner.torch_api",
+    "plan_graph": "planner.graph_api",
     "profile": "planner.profiling",
     "Profile": "planner.profiling",
     "MeasuredStep": "planner.measurement",

@@ -38,10 +38,9 @@ import torch
 
 from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import format_bytes
-from planner.ir import ActivationGraph, SimulationResult, TrainingStep
+from planner.ir import ActivationGraph, CostModel, SimulationResult, TrainingStep
 from planner.measurement import OptimizerSpec, tensors_in
 from planner.plan import Plan
-from planner.planning import optimize
 from planner.profiling import budget_bytes_of, profile, training_step_of
 from planner.rescale import FIT_SIZES, GraphFamily, NotRescalable
 from planner.simulate import for_training_step, simulate, store_everything
@@ -57,6 +56,7 @@ from planner.sizing import (
     weigh,
 )
 from planner.solvers import lowest_peak, solve
+from planner.torch_api import optimize
 
 __all__ = ["CARD_MEMORIES_GIB", "Capacity", "ProgressCallback", "capacity"]
 
@@ -267,7 +267,7 @@ class _Prober:
                 f"to fit and check, the search has {len(fit_sizes)}"
             )
             return
-        if self.settings.cost_model != "analytic" or self.settings.device is None:
+        if self.settings.cost_model != CostModel.ANALYTIC or self.settings.device is None:
             self.reuse_note = "captures not reused: times are measured, and measured times do not rescale"
             return
         spec = device_spec(self.settings.device)
@@ -452,7 +452,7 @@ class _Search:
             else:
                 prices[BF16] = self.price(torch.bfloat16, budget_bytes)
         timing = self.prober(self.settings.autocast).graph(self.candidates[0])[0].timing
-        if timing.startswith("analytic"):
+        if timing.startswith(CostModel.ANALYTIC):
             notes.append(
                 f"times: {timing}, which prices every matmul at the device's one peak rate whatever its "
                 "dtype, so bf16's gain is only in the bytes it moves"
@@ -814,8 +814,8 @@ def capacity(
         raise TypeError(f"make_inputs must be a function of the sizes, got {type(make_inputs).__name__}")
     if make_inputs is None and isinstance(model, torch.nn.Module):
         raise TypeError("give make_inputs(**sizes) -> example inputs with a model (or pass a factory)")
-    chosen_cost_model = cost_model or ("analytic" if device is not None else "measured")
-    reuse = chosen_cost_model == "analytic" if reuse_captures is None else reuse_captures
+    chosen_cost_model = cost_model or (CostModel.ANALYTIC if device is not None else CostModel.MEASURED)
+    reuse = chosen_cost_model == CostModel.ANALYTIC if reuse_captures is None else reuse_captures
     settings = _Settings(
         optimizer=optimizer,
         step=training_step_of(step),

@@ -62,6 +62,7 @@ import operator
 import traceback
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -98,11 +99,14 @@ MAX_OPAQUE_MODULES = 64
 """A model with more untraceable submodules than this is better served by the export level."""
 
 
-class CapturePath:
-    """The levels of the capture chain, finest first (the values `Capture.path` starts with)."""
+class CapturePath(StrEnum):
+    """The levels of the capture chain, finest first (the values `Capture.path` and `Plan.capture`
+    start with); members are their string values."""
 
     FX = "fx"
     EXPORT = "export"
+    MODULE = "module"
+    """The model's own submodules as whole units (planner/module_level.py)."""
 
 
 def _shapes(values: Any) -> tuple[tuple[int, ...] | None, ...]:
@@ -554,7 +558,7 @@ def _fx_path(opaque: list[str], exported: list[str], split: list[str] | None = N
         notes.append(f"planned by children: {', '.join(split)}")
     if opaque:
         notes.append(f"opaque: {', '.join(opaque)}")
-    return f"{CapturePath.FX} ({'; '.join(notes)})" if notes else CapturePath.FX
+    return f"{CapturePath.FX.value} ({'; '.join(notes)})" if notes else CapturePath.FX.value
 
 
 @contextlib.contextmanager
@@ -678,7 +682,7 @@ def _capture_export(
     )
     return Capture(
         graph_module=graph_module,
-        path=CapturePath.EXPORT,
+        path=CapturePath.EXPORT.value,
         opaque_modules=(),
         call=call,
         inputs=call.graph_inputs(args, kwargs),

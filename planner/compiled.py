@@ -71,6 +71,7 @@ from planner.compiled_graph import (
 )
 from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import InfeasibleBudget, PlannerError, UnsupportedModel, format_bytes
+from planner.graph_api import plan_graph
 from planner.ir import StaticBytes, TrainingStep
 from planner.measurement import (
     AllocatorPhases,
@@ -82,7 +83,6 @@ from planner.measurement import (
 )
 from planner.plan import CompiledStep, Plan
 from planner.simulate import for_training_step
-from planner.solving import plan_graph
 from planner.static_memory import optimizer_name, static_bytes
 
 __all__ = ["CompiledPlanning", "optimize_compiled", "plan_compiled_step", "profile_loss"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from planner.blocks import block_number, block_numbers
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Region
 from planner.naming import (
@@ -30,18 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["hf_kwargs", "per_block_container", "region_call", "torch_snippet"]
 
 
-def _blocks_of(graph: ActivationGraph, parent: str) -> set[int]:
-    """Numbers of the children `parent.<k>` that appear in the graph."""
-    prefix = f"{parent}." if parent else ""
-    numbers = set()
-    for node in graph.nodes:
-        rest = node.module_path.removeprefix(prefix) if node.module_path.startswith(prefix) else ""
-        head = rest.split(".")[0]
-        if head.isdigit():
-            numbers.add(int(head))
-    return numbers
-
-
 def per_block_container(plan: Plan) -> str | None:
     """The container whose every block the plan checkpoints on its own (and nothing else), if any."""
     graph, regions = plan.graph, plan.schedule.checkpointed
@@ -51,7 +40,7 @@ def per_block_container(plan: Plan) -> str | None:
     if not regions or len(single_blocks) != len(regions) or len(parents) != 1:
         return None
     parent = parents.pop()
-    if {run.first for run in single_blocks} != _blocks_of(graph, parent):
+    if {run.first for run in single_blocks} != block_numbers(graph, parent):
         return None
     return parent if all(is_module_aligned(graph, region) for region in regions) else None
 
@@ -157,7 +146,7 @@ def _is_root_sequential(graph: ActivationGraph) -> bool:
     for node in graph.nodes:
         if not node.module_path:
             seen_functional = True
-        elif seen_functional or not node.module_path.split(".")[0].isdigit():
+        elif seen_functional or block_number(node.module_path, "") is None:
             return False
     return True
 
@@ -174,7 +163,7 @@ def _sequential_forward(plan: Plan) -> list[str] | None:
         "def checkpointed_forward(model, x):",
         '    """model(x) for your nn.Sequential `model`, with the plan applied."""',
     ]
-    position, last = 0, max(_blocks_of(graph, ""))
+    position, last = 0, max(block_numbers(graph, ""))
     for run in runs:
         assert run is not None
         if run.first > position:

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from planner.attention import planned_attention
 from planner.capture import Capture, has_hooks
 from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
-from planner.ir import ActivationGraph, Node, Phase, TrainingStep
+from planner.ir import ActivationGraph, CostModel, Node, Phase, TrainingStep
 from planner.measurement import (
     LiveStorageTracker,
     OptimizerSpec,
@@ -491,7 +491,7 @@ def build_activation_graph(
         static=dataclasses.replace(static, optimizer_state_bytes=0),
         capture=captured.label(split),
         optimizer=optimizer_label,
-        timing="measured" if spec is None else f"analytic ({spec.name})",
+        timing=CostModel.MEASURED.value if spec is None else f"{CostModel.ANALYTIC.value} ({spec.name})",
         selective_op_overhead_ms=_selective_op_overhead_ms(model, inputs, spec),
         checkpoint_call_ms=checkpoint_cost.call_ms,
         checkpoint_op_ms=checkpoint_cost.per_operator_ms,
@@ -557,15 +557,17 @@ def _cost_spec(
 ) -> DeviceSpec | None:
     """The device spec of the analytic cost model, or None to measure times."""
     on_meta = any(t.is_meta for t in [*model.parameters(), *tensors_in(inputs)])
-    if cost_model == "measured":
+    try:
+        chosen = CostModel(cost_model)
+    except ValueError as error:
+        raise ValueError(f"cost_model={cost_model!r} is not known; use 'measured' or 'analytic'") from error
+    if chosen is CostModel.MEASURED:
         if on_meta:
             raise ValueError(
                 "a model on the meta device cannot be timed; pass cost_model='analytic' and the "
                 "device to plan for, e.g. device='h100'"
             )
         return None
-    if cost_model != "analytic":
-        raise ValueError(f"cost_model={cost_model!r} is not known; use 'measured' or 'analytic'")
     if device is None:
         raise ValueError("cost_model='analytic' needs device= (one of 'h100', 'a100', 'cpu' or a DeviceSpec)")
     return device_spec(device)

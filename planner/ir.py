@@ -24,7 +24,10 @@ from typing import Any
 import networkx as nx
 
 __all__ = [
+    "NO_OPTIMIZER",
     "Component",
+    "CostModel",
+    "OptimizerName",
     "GLUE_OP",
     "GRAPH_SCHEMA",
     "PLAN_SCHEMA",
@@ -45,6 +48,31 @@ __all__ = [
 
 GRAPH_SCHEMA = "planner.graph/v1"
 PLAN_SCHEMA = "planner.plan/v1"
+NO_OPTIMIZER = "none"
+"""`ActivationGraph.optimizer` of a step without an optimizer (forward and backward only)."""
+
+
+class OptimizerName(StrEnum):
+    """The optimizers one can name (`optimizer="adam"`), as measurement.py's `make_optimizer` builds
+    them; members are their string values, so names stay plain strings in JSON."""
+
+    ADAM = "adam"
+    ADAMW = "adamw"
+    SGD = "sgd"
+    SGD_MOMENTUM = "sgd-momentum"
+    ADAGRAD = "adagrad"
+    ADAFACTOR = "adafactor"
+
+
+class CostModel(StrEnum):
+    """Where per-node times come from (`cost_model=` of optimize and profile). Members are their
+    string values, so the plain strings are accepted and serialised as they are."""
+
+    MEASURED = "measured"
+    """Profiling steps on the model's device."""
+    ANALYTIC = "analytic"
+    """FLOPs and bytes on a roofline of a named device (cost_model.py); `timing` reads
+    "analytic (<device>)"."""
 
 
 @dataclass(frozen=True)
@@ -209,7 +237,7 @@ class ActivationGraph:
     capture: str
     """How the model was captured, e.g. "fx" or "fx (opaque: block.3)"."""
     optimizer: str
-    timing: str = "measured"
+    timing: str = CostModel.MEASURED.value
     """Where per-node times come from: "measured" (profiling steps on the model's device) or
     "analytic (<device>)" (FLOPs and bytes on a roofline, see cost_model.py)."""
     selective_op_overhead_ms: float = 0.0

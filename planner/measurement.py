@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from planner.ir import TrainingStep
+from planner.ir import OptimizerName, TrainingStep
 
 __all__ = [
     "AllocatorPhases",
@@ -53,7 +53,8 @@ OptimizerSpec = str | torch.optim.Optimizer | None
 the model's parameters. A name means torch.optim's class with its defaults, so its implementation
 (foreach on CUDA, single-tensor on the CPU) is PyTorch's default for the device."""
 
-OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum", "adagrad", "adafactor")
+
+OPTIMIZER_NAMES = tuple(name.value for name in OptimizerName)
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -212,12 +213,12 @@ def make_optimizer(
     if spec is None or isinstance(spec, torch.optim.Optimizer):
         return spec
     factories: dict[str, Callable[[], torch.optim.Optimizer]] = {
-        "adam": lambda: torch.optim.Adam(parameters, lr=1e-3),
-        "adamw": lambda: torch.optim.AdamW(parameters, lr=1e-3),
-        "sgd": lambda: torch.optim.SGD(parameters, lr=1e-3),
-        "sgd-momentum": lambda: torch.optim.SGD(parameters, lr=1e-3, momentum=0.9),
-        "adagrad": lambda: torch.optim.Adagrad(parameters, lr=1e-2),
-        "adafactor": lambda: torch.optim.Adafactor(parameters, lr=1e-2),
+        OptimizerName.ADAM: lambda: torch.optim.Adam(parameters, lr=1e-3),
+        OptimizerName.ADAMW: lambda: torch.optim.AdamW(parameters, lr=1e-3),
+        OptimizerName.SGD: lambda: torch.optim.SGD(parameters, lr=1e-3),
+        OptimizerName.SGD_MOMENTUM: lambda: torch.optim.SGD(parameters, lr=1e-3, momentum=0.9),
+        OptimizerName.ADAGRAD: lambda: torch.optim.Adagrad(parameters, lr=1e-2),
+        OptimizerName.ADAFACTOR: lambda: torch.optim.Adafactor(parameters, lr=1e-2),
     }
     if spec not in factories:
         raise ValueError(

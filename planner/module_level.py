@@ -28,15 +28,12 @@ from typing import Any
 
 from torch import fx, nn
 
-from planner.capture import Capture, GraphCall
+from planner.capture import Capture, CapturePath, GraphCall
 from planner.ir import ActivationGraph, Schedule
 from planner.rewrite import planned_class, with_checkpointed_units
 from planner.split_calls import MODEL_CALL
 
-__all__ = ["MODULE_LEVEL", "capture_model_call", "rewrite_units"]
-
-MODULE_LEVEL = "module"
-"""`Capture.path` and `Plan.capture` of this level."""
+__all__ = ["capture_model_call", "rewrite_units"]
 
 
 def capture_model_call(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Capture:
@@ -50,7 +47,7 @@ def capture_model_call(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[
     graph.output(graph.call_module(MODEL_CALL, positional, keywords))
     return Capture(
         graph_module=fx.GraphModule(holder, graph, type(model).__name__),
-        path=MODULE_LEVEL,
+        path=CapturePath.MODULE.value,
         opaque_modules=(MODEL_CALL,),
         call=GraphCall(signature=inspect.signature(model.forward)),
         inputs=(*args, *kwargs.values()),

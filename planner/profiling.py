@@ -43,11 +43,13 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from planner.blocks import longest_block_stack
 from planner.capture import Capture, call_shapes, candidate_units, capture
 from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import GIB, LargerShapeWarning, UnsupportedModel, format_bytes
+from planner.graph_api import Frontier, pareto_frontier, plan_graph
 from planner.graph_build import LOSS_NODE, build_activation_graph
-from planner.ir import GLUE_OP, ActivationGraph, Schedule, TrainingStep
+from planner.ir import GLUE_OP, ActivationGraph, CostModel, Schedule, TrainingStep
 from planner.measurement import OptimizerSpec, default_loss, tensors_in
 from planner.module_level import capture_model_call, rewrite_units
 from planner.plan import Plan
@@ -68,7 +70,6 @@ from planner.shapes import (
 )
 from planner.sharding import Sharding, shard_graph
 from planner.simulate import for_training_step, simulate
-from planner.solving import Frontier, pareto_frontier, plan_graph
 
 __all__ = [
     "FSDP_CAPTURE_NOTE",
@@ -213,7 +214,7 @@ class Profile:
                     loss_fn=settings.loss_fn,
                     optimizer=None,
                     step=settings.step,
-                    cost_model="analytic",
+                    cost_model=CostModel.ANALYTIC,
                     device=device_spec("cpu"),
                 )
                 if self.capture is None:
@@ -344,13 +345,13 @@ def profile(
     _refuse_sharded_model(model)
     args = example_call(example_inputs, example_kwargs)
     kwargs = dict(example_kwargs or {})
-    if settings.sharding is Sharding.FSDP and cost_model == "measured":
+    if settings.sharding is Sharding.FSDP and cost_model == CostModel.MEASURED:
         return _profile_units(model, args, kwargs, settings, reason=FSDP_UNITS_REASON)
     started = time.perf_counter()
     try:
         captured = capture(model, args, kwargs)
     except UnsupportedModel as unsupported:
-        if cost_model != "measured":
+        if cost_model != CostModel.MEASURED:
             raise
         log.info("%s; planning by submodules", unsupported)
         return _profile_units(model, args, kwargs, settings, reason=str(unsupported))
@@ -531,8 +532,8 @@ def fsdp_unit_bytes(model: torch.nn.Module) -> int:
     """Parameter bytes of the largest unit FSDP gathers at once: a block of the model's longest
     ModuleList/Sequential (where one calls `fully_shard` per block), or the parameters outside the
     blocks, which the root unit holds (the whole model when it has no block stack)."""
-    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList | torch.nn.Sequential)]
-    blocks = list(max(stacks, key=len)) if stacks else []
+    stack = longest_block_stack(model)
+    blocks = list(stack[1]) if stack is not None else []
     seen: set[int] = set()
     block_bytes = [_parameter_bytes(block, seen) for block in blocks]
     rest_bytes = _parameter_bytes(model, seen)

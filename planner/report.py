@@ -24,7 +24,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from planner.errors import format_bytes
-from planner.ir import ActivationGraph, Component, Phase, Schedule, SimulationResult
+from planner.ir import (
+    NO_OPTIMIZER,
+    ActivationGraph,
+    Component,
+    CostModel,
+    OptimizerName,
+    Phase,
+    Schedule,
+    SimulationResult,
+)
 from planner.naming import describe_region, display_module
 from planner.simulate import selective_overhead_ms, simulate, store_everything
 from planner.solvers import lowest_peak
@@ -100,21 +109,21 @@ LEVER_RULES: tuple[LeverRule, ...] = (
         assumption="two 1-byte states per parameter instead of two fp32",
         forward_backward={Component.OPTIMIZER_STATE: 0.25},
         optimizer_step={Component.OPTIMIZER_STATE: 0.25},
-        optimizers=("adam",),
+        optimizers=(OptimizerName.ADAM,),
     ),
     LeverRule(
         name="SGD with momentum",
         assumption="one fp32 state per parameter instead of two",
         forward_backward={Component.OPTIMIZER_STATE: 0.5},
         optimizer_step={Component.OPTIMIZER_STATE: 0.5},
-        optimizers=("adam",),
+        optimizers=(OptimizerName.ADAM,),
     ),
     LeverRule(
         name="SGD without momentum",
         assumption="no optimizer state",
         forward_backward={Component.OPTIMIZER_STATE: 0.0},
         optimizer_step={Component.OPTIMIZER_STATE: 0.0},
-        optimizers=("sgd-momentum",),
+        optimizers=(OptimizerName.SGD_MOMENTUM,),
     ),
     LeverRule(
         name=f"sharding over {SHARDING_DEVICES} devices (FSDP/ZeRO-3)",
@@ -185,7 +194,7 @@ def _source_rows(plan: Plan) -> list[str]:
 
 
 def _timing_note(timing: str) -> str:
-    if timing == "measured":
+    if timing == CostModel.MEASURED:
         return "per-node times measured on the profiling machine"
     return f"per-node times {timing}: FLOPs and bytes on a roofline, not measured"
 
@@ -195,10 +204,10 @@ def peak_components(graph: ActivationGraph, schedule: Schedule) -> dict[str, dic
     # Only forward and backward: no optimizer step, and no unscaling or clipping after backward.
     forward_backward_only = dataclasses.replace(graph.step, max_grad_norm=None, grad_scaler=False)
     without_step = simulate(
-        dataclasses.replace(graph, optimizer="none", step=forward_backward_only), schedule
+        dataclasses.replace(graph, optimizer=NO_OPTIMIZER, step=forward_backward_only), schedule
     )
     components = {FORWARD_BACKWARD: dict(without_step.breakdown)}
-    if graph.optimizer != "none":
+    if graph.optimizer != NO_OPTIMIZER:
         static = graph.static
         components[OPTIMIZER_STEP] = {
             Component.PARAMETERS: static.parameter_bytes,

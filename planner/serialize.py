@@ -12,6 +12,7 @@ from typing import Any
 from planner.ir import (
     GRAPH_SCHEMA,
     ActivationGraph,
+    CostModel,
     Node,
     Region,
     RegionPolicy,
@@ -81,7 +82,7 @@ def graph_from_dict(data: dict[str, Any]) -> ActivationGraph:
         static=_static_from_dict(data["static"]),
         capture=str(data["capture"]),
         optimizer=str(data["optimizer"]),
-        timing=str(data.get("timing", "measured")),
+        timing=str(data.get("timing", CostModel.MEASURED.value)),
         selective_op_overhead_ms=float(data.get("selective_op_overhead_ms", 0.0)),
         checkpoint_call_ms=float(data.get("checkpoint_call_ms", 0.0)),
         checkpoint_op_ms=float(data.get("checkpoint_op_ms", 0.0)),

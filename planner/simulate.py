@@ -76,6 +76,7 @@ from dataclasses import dataclass
 
 from planner.ir import (
     GLUE_OP,
+    NO_OPTIMIZER,
     ActivationGraph,
     Component,
     Node,
@@ -467,7 +468,7 @@ def _after_backward(graph: ActivationGraph) -> list[tuple[Phase, str, int]]:
         phases.append((Phase.UNSCALE, "scaler.unscale_", static.unscale_workspace_bytes))
     if step.max_grad_norm is not None:
         phases.append((Phase.CLIP, "clip_grad_norm_", static.clip_workspace_bytes))
-    if graph.optimizer != "none":
+    if graph.optimizer != NO_OPTIMIZER:
         phases.append((Phase.OPTIMIZER, "optimizer.step", static.optimizer_step_workspace_bytes))
     return phases
 

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
-from planner.ir import StaticBytes, TrainingStep
+from planner.ir import NO_OPTIMIZER, StaticBytes, TrainingStep
 from planner.measurement import LiveStorageTracker, OptimizerSpec, make_optimizer, tensors_in
 
 __all__ = [
@@ -358,7 +358,7 @@ def constant_bytes(graph_module: fx.GraphModule, model: torch.nn.Module) -> int:
 def optimizer_name(optimizer: OptimizerSpec) -> str:
     """How a graph names its optimizer: a name as given, an instance by its class, or "none"."""
     if optimizer is None:
-        return "none"
+        return NO_OPTIMIZER
     if isinstance(optimizer, torch.optim.Optimizer):
         return type(optimizer).__name__
     return optimizer

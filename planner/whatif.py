@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from planner.blocks import block_spans, main_container, numbered_containers
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule, merge_stored
 from planner.simulate import CheckpointRule, simulate
@@ -32,8 +33,6 @@ __all__ = [
     "each_block",
     "each_node",
     "equal_segments",
-    "main_container",
-    "numbered_containers",
     "render_comparison",
     "whole_model",
 ]
@@ -86,48 +85,9 @@ def whole_model(graph: ActivationGraph) -> Schedule:
     return Schedule(regions=merge_stored(regions), solver="whole model checkpointed")
 
 
-def numbered_containers(graph: ActivationGraph) -> list[str]:
-    """Modules with numbered children in the graph (`blocks` for `blocks.0`, `blocks.1`, ...)."""
-    found: dict[str, None] = {}
-    for node in graph.nodes:
-        parts = node.module_path.split(".") if node.module_path else []
-        for depth, part in enumerate(parts):
-            if part.isdigit():
-                found.setdefault(".".join(parts[:depth]), None)
-    return list(found)
-
-
-def _block_spans(graph: ActivationGraph, container: str) -> list[tuple[int, int]]:
-    """[start, stop) of each block: its first node up to the next node of another module.
-
-    Functional ops at a block's end (the residual addition) have no module and belong to the block.
-    """
-    prefix = f"{container}." if container else ""
-    first: dict[int, int] = {}
-    owner: list[int | None] = []
-    for index, node in enumerate(graph.nodes):
-        rest = node.module_path[len(prefix) :] if node.module_path.startswith(prefix) else ""
-        head = rest.split(".")[0]
-        number = int(head) if head.isdigit() and node.module_path else None
-        owner.append(number)
-        if number is not None:
-            first.setdefault(number, index)
-    spans = []
-    for number, start in sorted(first.items(), key=lambda item: item[1]):
-        stop = start + 1
-        while (
-            stop < len(graph.nodes)
-            and graph.nodes[stop].checkpointable
-            and (owner[stop] == number or not graph.nodes[stop].module_path)
-        ):
-            stop += 1
-        spans.append((start, stop))
-    return spans
-
-
 def each_block(graph: ActivationGraph, container: str) -> Schedule:
     """Every numbered child of `container` in a checkpoint of its own (what Hugging Face does)."""
-    spans = _block_spans(graph, container)
+    spans = block_spans(graph, container)
     if not spans:
         raise ValueError(
             f"no numbered children of {container!r} in the graph; containers with numbered children: "
@@ -144,21 +104,6 @@ def each_block(graph: ActivationGraph, container: str) -> Schedule:
     if position < len(graph.nodes):
         regions.append(Region(position, len(graph.nodes), RegionPolicy.STORE))
     return Schedule(regions=merge_stored(regions), solver=f"each block of {container or 'the model'}")
-
-
-def main_container(graph: ActivationGraph) -> str | None:
-    """The model's stack of repeated blocks (`blocks`, `layers`), or None when it has none.
-
-    A stack is a numbered container of two or more blocks that run the same sequence of operations,
-    more than one each; of several, the one with the most nodes.
-    """
-    sizes: dict[str, int] = {}
-    for container in numbered_containers(graph):
-        spans = _block_spans(graph, container)
-        shapes = {tuple(node.op for node in graph.nodes[start:stop]) for start, stop in spans}
-        if len(spans) >= 2 and len(shapes) == 1 and len(shapes.pop()) > 1:
-            sizes[container] = sum(stop - start for start, stop in spans)
-    return max(sizes, key=lambda container: sizes[container]) if sizes else None
 
 
 def baselines(graph: ActivationGraph) -> dict[str, Schedule]:

@@ -9,12 +9,8 @@ does see compiled code running.
 from __future__ import annotations
 
 import copy
-import importlib
 import json
-import sys
 from dataclasses import asdict
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -22,22 +18,12 @@ import torch
 from torch import nn
 
 import planner
-from planner.zoo_real import ExampleCall
+from bench import compare, peers
+from bench import compare_report as report
+from planner.testing.steps import one_step
+from planner.testing.zoo_real import ExampleCall
 
-BENCH_DIRECTORY = Path(__file__).resolve().parent.parent / "bench"
 MIB = 2**20
-
-
-def bench_module(name: str) -> ModuleType:
-    """A bench/ script as a module (the scripts import each other as top-level modules)."""
-    if str(BENCH_DIRECTORY) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIRECTORY))
-    return importlib.import_module(name)
-
-
-compare = bench_module("compare")
-report = bench_module("compare_report")
-peers = bench_module("peers")
 
 
 def fake_result() -> Any:
@@ -66,7 +52,7 @@ def context() -> dict[str, object]:
         "quick": True,
         "rounds": 3,
         "total_s": 60.0,
-        "command": ["python", "bench/compare.py", "--quick"],
+        "command": ["python", "-m", "bench.compare", "--quick"],
         "machine": {
             "processor": "x86_64",
             "cpu_count": 2,
@@ -161,7 +147,7 @@ def test_allocator_events_count_an_eager_step_as_the_live_storage_tracker_does()
 
 def test_compiled_steps_run_compiled_code_and_match_the_eager_gradients() -> None:
     call = tiny_call()
-    eager = peers.one_step(peers.variant_of(call.model), call.args)
+    eager = one_step(call.model, call.args)
     with compare.compiler_settings():
         none = compare.fraction_candidate(call, 1.0)
         compiled_reference = compare.measure_candidate(none, call, eager)

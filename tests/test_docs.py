@@ -7,17 +7,14 @@ a hand edit or a bench run whose quote was not refreshed shows up here.
 
 from __future__ import annotations
 
-import importlib
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench import docs_tables
+
 REPOSITORY = Path(__file__).resolve().parent.parent
-if str(REPOSITORY / "bench") not in sys.path:
-    sys.path.insert(0, str(REPOSITORY / "bench"))
-docs_tables = importlib.import_module("docs_tables")
 
 PAGES = [REPOSITORY / "README.md", *sorted((REPOSITORY / "docs").glob("*.md"))]
 FENCED = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)

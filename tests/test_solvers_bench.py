@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH_DIRECTORY = Path(__file__).resolve().parent.parent / "bench"
-if str(BENCH_DIRECTORY) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIRECTORY))
-solvers_bench = importlib.import_module("solvers")
+from bench import solvers as solvers_bench
 
 
 def test_spearman_ranks_ties_together_and_reverses_sign() -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from postgres_server import fresh_database, running_postgres, why_unavailable
 
 from api.main import create_app
 from api.settings import Settings
+from tests.api.postgres_server import fresh_database, running_postgres, why_unavailable
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from service_helpers import free_port
+from tests.api.service_helpers import free_port
 
 SERVER_USER = "postgres"
 INSTALL_HINT = "apt-get install postgresql (Debian's server binaries: initdb, pg_ctl, postgres)"

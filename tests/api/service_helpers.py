@@ -1,4 +1,5 @@
-"""Helpers for the service tests: small graphs and their JSON, budgets, and a real server process."""
+"""Helpers for the service tests: small and slow graphs and their JSON, budgets, a real server process,
+polling, and the solver processes a server forks."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -22,6 +23,11 @@ from planner.solvers import lowest_peak
 from planner.synthetic import residual_graph
 
 SERVER_START_TIMEOUT_S = 30.0
+WAIT_TIMEOUT_S = 30.0
+SLOW_GRAPH = residual_graph(node_count=41, nodes_per_block=10)
+"""A solve that is honest work: `ilp` on it runs about 9 s on 2 cores (its limit is 10 s)."""
+
+T = TypeVar("T")
 
 
 def small_graph(node_count: int = 21, seed: int = 0) -> ActivationGraph:
@@ -101,3 +107,37 @@ def wait_until_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"the server at {url} did not answer /healthz within {SERVER_START_TIMEOUT_S} s")
+
+
+SLOW_BUDGET_BYTES = middle_budget(SLOW_GRAPH)
+
+
+def slow_body(budget_bytes: int = SLOW_BUDGET_BYTES, **options: Any) -> dict[str, Any]:
+    return plan_body(SLOW_GRAPH, budget_bytes, solver="ilp", **options)
+
+
+def wait_until(probe: Callable[[], T | None], what: str, timeout_s: float = WAIT_TIMEOUT_S) -> T:
+    """Poll `probe` until it returns something other than None (or False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout_s} s waiting until {what}")
+
+
+def solver_children(server_pid: int | None = None) -> list[int]:
+    """Pids of a server's solver children (this process's by default): forked by its forkserver."""
+    server_pid = os.getpid() if server_pid is None else server_pid
+    processes = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                command = (entry / "cmdline").read_bytes()
+            except OSError:  # the process ended while we looked
+                continue
+            processes[int(entry.name)] = (int(fields[1]), b"forkserver" in command)
+    forkservers = {pid for pid, (parent, is_fork) in processes.items() if is_fork and parent == server_pid}
+    return [pid for pid, (parent, _) in processes.items() if parent in forkservers]

@@ -11,41 +11,27 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from service_helpers import middle_budget, plan_body, small_graph
 
 from api.jobs import JobStatus, JobStore, canonical_json
 from api.main import create_app
 from api.settings import Settings
-from planner.synthetic import residual_graph
+from tests.api.service_helpers import (
+    SLOW_BUDGET_BYTES,
+    middle_budget,
+    plan_body,
+    slow_body,
+    small_graph,
+    solver_children,
+    wait_until,
+)
 
-T = TypeVar("T")
-
-SLOW_GRAPH = residual_graph(node_count=41, nodes_per_block=10)
-SLOW_BUDGET_BYTES = middle_budget(SLOW_GRAPH)
 QUICK_GRAPH = small_graph()
 QUICK_BUDGET_BYTES = middle_budget(QUICK_GRAPH)
-WAIT_TIMEOUT_S = 30.0
-
-
-def slow_body(budget_bytes: int = SLOW_BUDGET_BYTES, **options: Any) -> dict[str, Any]:
-    return plan_body(SLOW_GRAPH, budget_bytes, solver="ilp", **options)
-
-
-def wait_until(probe: Callable[[], T | None], what: str, timeout_s: float = WAIT_TIMEOUT_S) -> T:
-    """Poll `probe` until it returns something other than None (or False)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s} s waiting until {what}")
 
 
 def job_in(
@@ -99,22 +85,6 @@ def test_cancel_stops_queued_and_running_jobs(database: str) -> None:
     assert unknown.status_code == 404
     assert running_after["status"] == "failed" and running_after["error"]["type"] == "cancelled"
     assert posted_again["id"] != queued["id"], "a cancelled job is not an answer: posting again retries"
-
-
-def solver_children(server_pid: int | None = None) -> list[int]:
-    """Pids of a server's solver children (this process's by default): forked by its forkserver."""
-    server_pid = os.getpid() if server_pid is None else server_pid
-    processes = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                command = (entry / "cmdline").read_bytes()
-            except OSError:  # the process ended while we looked
-                continue
-            processes[int(entry.name)] = (int(fields[1]), b"forkserver" in command)
-    forkservers = {pid for pid, (parent, is_fork) in processes.items() if is_fork and parent == server_pid}
-    return [pid for pid, (parent, _) in processes.items() if parent in forkservers]
 
 
 def test_a_crashed_solver_process_is_retried_up_to_the_attempt_limit(database: str) -> None:

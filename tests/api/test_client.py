@@ -7,13 +7,13 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from service_helpers import middle_budget, small_graph
 
 import planner.client
 from planner.client import PlannerClient
 from planner.errors import InfeasibleBudget, ServiceError
+from planner.graph_api import plan_graph
 from planner.serialize import schedule_to_dict
-from planner.solving import plan_graph
+from tests.api.service_helpers import middle_budget, small_graph
 
 GRAPH = small_graph()
 BUDGET_BYTES = middle_budget(GRAPH)

@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from service_helpers import free_port, running_server
-from training_checks import assert_same_gradients, step_gradients
 
 import planner
 from planner import zoo
 from planner.client import PlannerClient
-from planner.zoo_real import HUGGING_FACE, REAL_ZOO, build_call
+from planner.testing.steps import assert_same_step, one_step
+from planner.testing.zoo_real import HUGGING_FACE, REAL_ZOO, build_call
+from tests.api.service_helpers import free_port, running_server
 
 FAMILIES = ["hf_gpt2", "resnet", "branching_root", "keyword_dataclass"]
 HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
@@ -69,8 +69,8 @@ def test_the_client_plans_every_family_as_optimize_does(service: str, name: str)
     assert remote.schedule == local.schedule and remote.schedule.checkpointed
     assert remote.module is not None and remote.profile is profile
     assert remote_error.value.min_peak_bytes == local.min_peak_bytes
-    expected = step_gradients(call.model, call.args, call.kwargs)
-    assert_same_gradients(expected, step_gradients(remote.module, call.args, call.kwargs))
+    expected = one_step(call.model, call.args, kwargs=call.kwargs)
+    assert_same_step(expected, one_step(remote.module, call.args, kwargs=call.kwargs))
 
 
 def test_the_module_level_and_the_training_step_go_through_the_client(service: str) -> None:

@@ -6,13 +6,13 @@ import dataclasses
 import math
 
 import pytest
-from service_helpers import small_graph
 
 from planner.errors import InvalidGraph
+from planner.graph_api import frontier_budgets, pareto_frontier
 from planner.ir import ActivationGraph
-from planner.solving import frontier_budgets, pareto_frontier
 from planner.synthetic import residual_graph
 from planner.validate import MAX_PROBLEMS, validate_graph
+from tests.api.service_helpers import small_graph
 
 GRAPH = small_graph()
 

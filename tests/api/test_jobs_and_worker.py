@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from service_helpers import middle_budget, small_graph
 
 from api.jobs import JobError, JobStatus, JobStore, canonical_json, request_key
 from api.worker import JobRunner, PlanJob, QueueFull, WorkerPool
+from tests.api.service_helpers import middle_budget, small_graph
 
 REQUEST = canonical_json({"graph": {"schema": "planner.graph/v1"}, "budget_bytes": 5, "solver": "dp"})
 OWNER = "test-runner"

@@ -12,7 +12,6 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
-from service_helpers import middle_budget, plan_body, small_graph
 
 from api.deps import get_runner, get_settings
 from api.jobs import JobStore
@@ -22,6 +21,7 @@ from api.worker import JobRunner, WorkerPool
 from planner.ir import Node
 from planner.plan import Plan
 from planner.serialize import graph_to_dict
+from tests.api.service_helpers import middle_budget, plan_body, small_graph
 
 GRAPH = small_graph()
 BUDGET_BYTES = middle_budget(GRAPH)

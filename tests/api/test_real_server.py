@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from service_helpers import free_port, middle_budget, plan_body, running_server
-from training_checks import assert_same_gradients, step_gradients
 
 import planner
 from planner.client import PlannerClient
 from planner.synthetic import residual_graph
+from planner.testing.steps import assert_same_step, one_step
 from planner.zoo import build_model
+from tests.api.service_helpers import free_port, middle_budget, plan_body, running_server
 
 JOB_TIMEOUT_S = 120.0
 
@@ -32,7 +32,7 @@ def test_a_zoo_model_planned_by_the_service_trains_like_the_original(tmp_path: P
     assert plan.predicted_peak_bytes <= budget_bytes
     local = planner.plan_graph(plan.graph, budget_bytes=budget_bytes, solver="dp")
     assert local.schedule == plan.schedule, "the service's plan is the one planner.optimize would make"
-    assert_same_gradients(step_gradients(model, inputs), step_gradients(plan.module, inputs))
+    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
 
 
 def _job(url: str, job_id: str) -> dict[str, Any]:

@@ -18,8 +18,17 @@ from typing import Any
 
 import httpx
 import psycopg
-from service_helpers import free_port, middle_budget, plan_body, running_server, small_graph
-from test_bounded_solves import slow_body, solver_children, wait_until
+
+from tests.api.service_helpers import (
+    free_port,
+    middle_budget,
+    plan_body,
+    running_server,
+    slow_body,
+    small_graph,
+    solver_children,
+    wait_until,
+)
 
 LEASE_S = "2"
 UNDISTURBED_LEASE_S = "20"

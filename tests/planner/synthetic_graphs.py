@@ -1,11 +1,15 @@
-"""Hand-built and random activation graphs for solver and simulator tests (no torch)."""
+"""Hand-built and random activation graphs for solver and simulator tests, and the brute-force oracle
+over their schedules (no torch)."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
+from collections.abc import Iterator
 
-from planner.ir import GLUE_OP, ActivationGraph, Node, StaticBytes
+from planner.ir import GLUE_OP, ActivationGraph, Node, Region, RegionPolicy, Schedule, StaticBytes
+from planner.simulate import CheckpointRule
 
 MIB = 2**20
 
@@ -183,3 +187,21 @@ def with_split_call(graph: ActivationGraph, start: int, stop: int, caller: str =
             part_of=caller,
         )
     return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
+def all_schedules(graph: ActivationGraph) -> Iterator[Schedule]:
+    """Every partition of a chain into regions, each stored or checkpointed (loss never checkpointed;
+    a split call checkpointed whole or one child call at a time, NOTE [split calls])."""
+    count = len(graph.nodes)
+    rule = CheckpointRule.of(graph)
+    for cut_mask in itertools.product((False, True), repeat=count - 1):
+        bounds = [0, *[i + 1 for i, cut in enumerate(cut_mask) if cut], count]
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        for policies in itertools.product(tuple(RegionPolicy), repeat=len(spans)):
+            regions = tuple(Region(a, b, p) for (a, b), p in zip(spans, policies, strict=True))
+            if any(
+                r.policy is RegionPolicy.CHECKPOINT and not rule.allows(graph, r.start, r.stop)
+                for r in regions
+            ):
+                continue
+            yield Schedule(regions=regions, solver="brute-force")

@@ -15,11 +15,11 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from test_real_models import PREDICTION_TOLERANCE, one_call_step
-from zoo_checks import StepResult, assert_same_step
 
 import planner
-from planner.zoo_real import HUGGING_FACE, ExampleCall, build_call
+from planner.testing.steps import StepRecord, assert_same_step, one_step
+from planner.testing.zoo_real import HUGGING_FACE, ExampleCall, build_call
+from tests.planner.real_models import PREDICTION_TOLERANCE
 
 HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
 
@@ -30,7 +30,7 @@ def bf16() -> Iterator[None]:
         yield
 
 
-def autocast_step(module: torch.nn.Module, call: ExampleCall) -> StepResult:
+def autocast_step(module: torch.nn.Module, call: ExampleCall) -> StepRecord:
     """One step with forward and loss under bf16 autocast and backward outside it."""
 
     class Autocast(torch.nn.Module):
@@ -42,7 +42,7 @@ def autocast_step(module: torch.nn.Module, call: ExampleCall) -> StepResult:
             with bf16():
                 return self.inner(*args, **kwargs)
 
-    return one_call_step(Autocast(), call)
+    return one_step(Autocast(), call.args, kwargs=call.kwargs)
 
 
 @pytest.mark.parametrize(

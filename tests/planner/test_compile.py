@@ -11,19 +11,20 @@ from __future__ import annotations
 import copy
 
 import torch
-from test_real_models import mid_budget_plan, one_call_step
-from zoo_checks import assert_same_step
+
+from planner.testing.steps import Variant, assert_same_step, one_step
+from tests.planner.real_models import MidBudgetPlanner
 
 COMPILED_TOLERANCE = 1e-4
 
 
-def test_compiled_plan_trains_with_the_original_gradients() -> None:
+def test_compiled_plan_trains_with_the_original_gradients(mid_budget_plan: MidBudgetPlanner) -> None:
     planned = mid_budget_plan("inplace_mlp")
     assert planned.plan.regions, "the plan should checkpoint something for the test to mean anything"
     assert planned.plan.module is not None
-    compiled = torch.compile(copy.deepcopy(planned.plan.module))
-    expected = one_call_step(planned.call.model, planned.call)
-    actual = one_call_step(compiled, planned.call)
-    actual.gradients = {name.removeprefix("_orig_mod."): g for name, g in actual.gradients.items()}
-    actual.buffers = {name.removeprefix("_orig_mod."): b for name, b in actual.buffers.items()}
+    module = copy.deepcopy(planned.plan.module)
+    compiled = Variant(torch.compile(module), dict(module.named_parameters()), dict(module.named_buffers()))
+    call = planned.call
+    expected = one_step(call.model, call.args, kwargs=call.kwargs)
+    actual = one_step(compiled, call.args, kwargs=call.kwargs)
     assert_same_step(expected, actual, rtol=COMPILED_TOLERANCE)

@@ -28,7 +28,7 @@ from planner import zoo
 from planner.compiled import plan_compiled_step
 from planner.ir import TrainingStep
 from planner.measurement import AllocatorPhases, LiveStorageTracker, default_loss, storage_bytes
-from planner.zoo_real import build_call
+from planner.testing.zoo_real import build_call
 
 FRACTIONS = (0.1, 0.5)
 PREDICTION_TOLERANCE = 0.05

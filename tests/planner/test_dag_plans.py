@@ -6,13 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from synthetic_graphs import random_dag
-from test_solvers import all_schedules
 
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
 from planner.simulate import simulate
 from planner.solvers import _tables, lowest_peak, solve
 from planner.solvers.chain import region_cost
+from tests.planner.synthetic_graphs import all_schedules, random_dag
 
 DAGS = {f"dag-{seed}": random_dag(random.Random(seed), 7) for seed in range(8)}
 

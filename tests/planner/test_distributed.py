@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import planner
 from planner.measurement import default_loss
-from planner.zoo_real import build_call
+from planner.testing.zoo_real import build_call
 
 WORLD_SIZE = 2
 MODEL = "tied_lm"

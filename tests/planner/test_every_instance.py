@@ -24,13 +24,12 @@ import pytest
 import torch
 
 import planner
-from planner.capture import has_hooks
+from planner.capture import CapturePath, has_hooks
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
-from planner.module_level import MODULE_LEVEL
 from planner.simulate import simulate
+from planner.testing.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
 from planner.zoo_dag import checkpoint_every_instance, repeated_module_types
-from planner.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
 
 HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
 
@@ -46,10 +45,10 @@ def runnable(name: str) -> bool:
     if name not in REAL_ZOO:
         return True
     entry = REAL_ZOO[name]
-    return entry.capture != MODULE_LEVEL and (entry.requires != HUGGING_FACE or HAS_TRANSFORMERS)
+    return entry.capture != CapturePath.MODULE and (entry.requires != HUGGING_FACE or HAS_TRANSFORMERS)
 
 
-MODULE_LEVEL_MODELS = [name for name, entry in REAL_ZOO.items() if entry.capture == MODULE_LEVEL]
+MODULE_LEVEL_MODELS = [name for name, entry in REAL_ZOO.items() if entry.capture == CapturePath.MODULE]
 
 
 def hook_free_types(model: torch.nn.Module) -> list[type]:
@@ -118,7 +117,7 @@ def test_at_the_module_level_every_unit_type_checkpointed_by_hand_is_a_plan_of_t
     plan = planner.optimize(
         call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40, solver="dp"
     )
-    assert plan.capture == MODULE_LEVEL
+    assert plan.capture == CapturePath.MODULE
     unit_types = {node.op for node in plan.graph.nodes if node.part_of and node.checkpointable}
     checked = 0
     for kind, measured_bytes in hand_peaks(name).items():

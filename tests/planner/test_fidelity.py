@@ -11,9 +11,9 @@ import copy
 from functools import cache
 
 import pytest
-from zoo_checks import assert_same_step, one_step
 
 import planner
+from planner.testing.steps import assert_same_step, one_step
 from planner.zoo import FIDELITY_ZOO, build_model
 
 FRACTIONS = (0.0, 0.1, 0.5, 0.9)

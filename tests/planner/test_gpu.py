@@ -9,9 +9,9 @@ import copy
 
 import pytest
 import torch
-from zoo_checks import assert_same_step, one_step
 
 import planner
+from planner.testing.steps import assert_same_step, one_step
 from planner.zoo import build_model
 
 pytestmark = [

@@ -10,8 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from synthetic_graphs import keepable_chain, with_selective_price
-from test_solvers import all_schedules
 
 import planner.solvers as planner_solvers
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
@@ -20,6 +18,7 @@ from planner.solvers import _tables, lowest_peak, solve
 from planner.solvers.chain import keep_effect, region_cost
 from planner.solvers.ilp import DETERMINISTIC_SECONDS, _allowed_keeps, _load_cp_model, ilp_schedule, keepable
 from planner.synthetic import residual_graph
+from tests.planner.synthetic_graphs import all_schedules, keepable_chain, with_selective_price
 
 
 def with_keeps(graph: ActivationGraph, schedule: Schedule) -> Iterator[Schedule]:

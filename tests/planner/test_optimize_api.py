@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from zoo_checks import assert_same_step, one_step
 
 import planner
 from planner.errors import format_bytes
+from planner.testing.steps import assert_same_step, one_step
 from planner.zoo import build_model
 
 
@@ -112,10 +112,10 @@ def test_custom_loss_is_planned_with_the_model(mlp) -> None:  # type: ignore[no-
 
 def test_public_functions_stay_functions_after_their_modules_load() -> None:
     import planner.measurement
-    import planner.planning  # noqa: F401  (loading the submodules must not shadow the functions)
+    import planner.torch_api  # noqa: F401  (loading the submodules must not shadow the functions)
 
     assert callable(planner.optimize) and callable(planner.measure) and callable(planner.pareto)
-    assert planner.optimize.__module__ == "planner.planning"
+    assert planner.optimize.__module__ == "planner.torch_api"
 
 
 def test_replan_solves_the_same_profile_at_another_budget_and_solver(mlp) -> None:  # type: ignore[no-untyped-def]

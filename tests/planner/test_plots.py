@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from synthetic_graphs import MIB, chain_graph
 
 from planner.ir import Phase, Region, RegionPolicy, Schedule
 from planner.plan import Plan
@@ -18,6 +17,7 @@ from planner.plots import (
     timeline_positions,
 )
 from planner.simulate import simulate, store_everything
+from tests.planner.synthetic_graphs import MIB, chain_graph
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from zoo_checks import assert_same_step, one_step
 
 import planner
-from planner.solving import plan_graph
+from planner.graph_api import plan_graph
+from planner.testing.steps import assert_same_step, one_step
+from planner.testing.zoo_real import build_call
 from planner.zoo import build_model
-from planner.zoo_real import build_call
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_bad_arguments_fail_before_profiling(monkeypatch: pytest.MonkeyPatch) ->
     def no_profiling(*args: object, **kwargs: object) -> None:
         raise AssertionError("profiled before checking the arguments")
 
-    monkeypatch.setattr("planner.planning.profile", no_profiling)
+    monkeypatch.setattr("planner.torch_api.profile", no_profiling)
     with pytest.raises(ValueError, match="solver='magic'"):
         planner.optimize(model, inputs, budget_gb=1, solver="magic")
     with pytest.raises(ValueError, match="exactly one of budget_gb"):

@@ -1,4 +1,4 @@
-"""Real models plan without edits: every entry of `planner.zoo_real` is captured by the expected path,
+"""Real models plan without edits: every entry of `planner.testing.zoo_real` is captured by the expected path,
 fits a mid budget when measured, is predicted within 5 %, and trains with the original's loss,
 gradients and buffers (dropout included, same seed).
 
@@ -14,85 +14,56 @@ and one test below runs the default solver on an exported graph, where keeps mee
 from __future__ import annotations
 
 import copy
-import importlib.util
-from dataclasses import dataclass
 from functools import cache
-from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from zoo_checks import StepResult, assert_same_step
 
 import planner
 from planner.measurement import default_loss
-from planner.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
-
-PREDICTION_TOLERANCE = 0.02
-MID_BUDGET_FRACTION = 0.5
-SOLVER = "dp"
-HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
-PLANNABLE = list(REAL_ZOO)
-
-
-def needs(name: str) -> list[pytest.MarkDecorator]:
-    if REAL_ZOO[name].requires == HUGGING_FACE and not HAS_TRANSFORMERS:
-        return [pytest.mark.skip(reason="needs transformers (pip install -e '.[dev]')")]
-    return []
+from planner.testing.steps import assert_same_step, one_step
+from planner.testing.zoo_real import REAL_ZOO, ExampleCall, build_call
+from tests.planner.real_models import (
+    PLANNABLE,
+    PREDICTION_TOLERANCE,
+    SOLVER,
+    MidBudgetPlanner,
+    entries,
+    needs,
+)
 
 
-def entries(names: list[str]) -> list[Any]:
-    return [pytest.param(name, marks=needs(name)) for name in names]
-
-
-@dataclass(frozen=True)
-class MidBudgetPlan:
-    call: ExampleCall
-    plan: planner.Plan
-    budget_bytes: int
-
-
-@cache
-def mid_budget_plan(name: str) -> MidBudgetPlan:
-    call = build_call(name)
-    reference = planner.optimize(call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40)
-    lowest, baseline = reference.min_peak_bytes, reference.baseline_peak_bytes
-    budget = int(lowest + MID_BUDGET_FRACTION * (baseline - lowest))
-    plan = planner.optimize(
-        call.model, call.args, example_kwargs=call.kwargs, budget_bytes=budget, solver=SOLVER
-    )
-    return MidBudgetPlan(call=call, plan=plan, budget_bytes=budget)
-
-
-def one_call_step(module: nn.Module, call: ExampleCall, *, seed: int = 1234) -> StepResult:
-    """Forward and backward of `module(*call.args, **call.kwargs)` on a copy, under a fixed seed."""
-    module = copy.deepcopy(module)
-    torch.manual_seed(seed)
-    loss = default_loss(module(*call.args, **call.kwargs))
-    loss.backward()
-    return StepResult(
-        loss=loss.detach(),
-        gradients={name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None},
-        buffers={name: b.detach().clone() for name, b in module.named_buffers()},
-    )
-
-
-@pytest.mark.parametrize("name", entries(PLANNABLE))
-def test_real_model_plans_fits_predicts_and_keeps_gradients(name: str) -> None:
-    planned = mid_budget_plan(name)
-    plan, call = planned.plan, planned.call
+def assert_fits_predicts_and_trains(
+    name: str, call: ExampleCall, plan: planner.Plan, budget_bytes: int
+) -> None:
+    """Measured peak <= budget, predicted within PREDICTION_TOLERANCE of it, and one step of plan.module
+    gives the model's loss, gradients and buffers."""
     assert plan.module is not None
-    assert plan.capture.split(" ")[0] == REAL_ZOO[name].capture, f"{name}: captured by {plan.capture}"
-
     measured = planner.measure(copy.deepcopy(plan.module), call.args, example_kwargs=call.kwargs).peak_bytes
-    assert measured <= planned.budget_bytes, (
-        f"{name}: measured {measured} over budget {planned.budget_bytes}\n{plan.summary()}"
+    assert measured <= budget_bytes, (
+        f"{name}: measured {measured} over budget {budget_bytes}\n{plan.summary()}"
     )
     error = abs(plan.predicted_peak_bytes - measured) / measured
     assert error <= PREDICTION_TOLERANCE, (
         f"{name}: predicted {plan.predicted_peak_bytes}, measured {measured}"
     )
-    assert_same_step(one_call_step(call.model, call), one_call_step(plan.module, call))
+    assert_same_step(
+        one_step(call.model, call.args, kwargs=call.kwargs),
+        one_step(plan.module, call.args, kwargs=call.kwargs),
+    )
+
+
+@pytest.mark.parametrize("name", entries(PLANNABLE))
+def test_real_model_plans_fits_predicts_and_keeps_gradients(
+    name: str, mid_budget_plan: MidBudgetPlanner
+) -> None:
+    planned = mid_budget_plan(name)
+    plan, call = planned.plan, planned.call
+    assert plan.module is not None
+    assert plan.capture.split(" ")[0] == REAL_ZOO[name].capture, f"{name}: captured by {plan.capture}"
+
+    assert_fits_predicts_and_trains(name, call, plan, planned.budget_bytes)
 
 
 class BareBranches(nn.Module):
@@ -116,7 +87,7 @@ def test_a_model_no_level_captures_names_each_construct_and_the_workaround() -> 
         assert text in message, message
 
 
-def test_hooks_run_once_per_call_and_are_never_replayed() -> None:
+def test_hooks_run_once_per_call_and_are_never_replayed(mid_budget_plan: MidBudgetPlanner) -> None:
     planned = mid_budget_plan("hooked_mlp")
     assert planned.plan.regions, "the mid budget should checkpoint something"
     hooked = {"blocks.1", "blocks.3", "blocks.4"}
@@ -147,7 +118,10 @@ def test_hooked_submodules_of_an_exportable_model_are_planned_at_the_module_leve
     assert [region.modules for region in plan.regions] == [("layers.0",)]
     calls.clear()
     assert plan.module is not None
-    assert_same_step(one_call_step(call.model, call), one_call_step(plan.module, call))
+    assert_same_step(
+        one_step(call.model, call.args, kwargs=call.kwargs),
+        one_step(plan.module, call.args, kwargs=call.kwargs),
+    )
     assert len(calls) == 2, "the hook runs once per forward: once for the model, once for the plan"
 
 
@@ -158,7 +132,9 @@ def test_hooked_submodules_of_an_exportable_model_are_planned_at_the_module_leve
         pytest.param("hf_gpt2", ("lm_head.weight", "transformer.wte.weight"), marks=needs("hf_gpt2")),
     ],
 )
-def test_tied_weights_stay_one_parameter_through_training(name: str, tied: tuple[str, str]) -> None:
+def test_tied_weights_stay_one_parameter_through_training(
+    name: str, tied: tuple[str, str], mid_budget_plan: MidBudgetPlanner
+) -> None:
     planned = mid_budget_plan(name)
     module = copy.deepcopy(planned.plan.module)
     first, second = (module.get_parameter(path) for path in tied)
@@ -173,7 +149,7 @@ def test_tied_weights_stay_one_parameter_through_training(name: str, tied: tuple
     assert not torch.equal(before, first), "the tied weight should have trained"
 
 
-def test_batchnorm_statistics_are_updated_once_per_step() -> None:
+def test_batchnorm_statistics_are_updated_once_per_step(mid_budget_plan: MidBudgetPlanner) -> None:
     planned = mid_budget_plan("resnet")
     assert planned.plan.regions
     module = copy.deepcopy(planned.plan.module)
@@ -182,7 +158,7 @@ def test_batchnorm_statistics_are_updated_once_per_step() -> None:
     assert counts and set(counts) == {1}
 
 
-def test_keyword_inputs_bind_like_the_model_on_the_fx_path() -> None:
+def test_keyword_inputs_bind_like_the_model_on_the_fx_path(mid_budget_plan: MidBudgetPlanner) -> None:
     planned = mid_budget_plan("keyword_dataclass")
     tokens = planned.call.args[0]
     mask = planned.call.kwargs["attention_mask"]
@@ -194,7 +170,9 @@ def test_keyword_inputs_bind_like_the_model_on_the_fx_path() -> None:
 
 
 @pytest.mark.parametrize("name", entries(["hf_gpt2"]))
-def test_default_solver_keeps_inside_an_exported_graph_fit_and_keep_gradients(name: str) -> None:
+def test_default_solver_keeps_inside_an_exported_graph_fit_and_keep_gradients(
+    name: str, mid_budget_plan: MidBudgetPlanner
+) -> None:
     """Selective keeps over ATen composites (attention with dropout) must replay, not crash."""
     planned = mid_budget_plan(name)
     call = planned.call
@@ -204,7 +182,10 @@ def test_default_solver_keeps_inside_an_exported_graph_fit_and_keep_gradients(na
     assert plan.module is not None
     measured = planner.measure(copy.deepcopy(plan.module), call.args, example_kwargs=call.kwargs).peak_bytes
     assert measured <= planned.budget_bytes
-    assert_same_step(one_call_step(call.model, call), one_call_step(plan.module, call))
+    assert_same_step(
+        one_step(call.model, call.args, kwargs=call.kwargs),
+        one_step(plan.module, call.args, kwargs=call.kwargs),
+    )
 
 
 LOW_FRACTIONS = (0.0, 0.1, 0.5)
@@ -221,13 +202,7 @@ def test_real_models_fit_predict_within_two_percent_and_keep_gradients(name: str
     lowest, baseline = reference.min_peak_bytes, reference.baseline_peak_bytes
     budget = int(lowest + fraction * (baseline - lowest))
     plan = reference.replan(budget_bytes=budget)
-    measured = planner.measure(copy.deepcopy(plan.module), call.args, example_kwargs=call.kwargs).peak_bytes
-    assert measured <= budget, f"{name}: measured {measured} over budget {budget}\n{plan.summary()}"
-    error = abs(plan.predicted_peak_bytes - measured) / measured
-    assert error <= PREDICTION_TOLERANCE, (
-        f"{name}: predicted {plan.predicted_peak_bytes}, measured {measured}"
-    )
-    assert_same_step(one_call_step(call.model, call), one_call_step(plan.module, call))
+    assert_fits_predicts_and_trains(name, call, plan, budget)
 
 
 @cache

@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from synthetic_graphs import random_chain
 
 from planner.ir import ActivationGraph
 from planner.solvers.chain import Chain, build_chain, region_cost
 from planner.solvers.dp import region_costs, tabulate
 from planner.solvers.region_costs import RegionCosts
 from planner.synthetic import residual_graph
+from tests.planner.synthetic_graphs import random_chain
 
 GRAPHS = {
     "residual, every block drawn": lambda: residual_graph(node_count=301, nodes_per_block=6),

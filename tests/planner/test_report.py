@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-from synthetic_graphs import MIB, chain_graph, static_bytes, with_selective_price
 
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
@@ -24,6 +23,7 @@ from planner.report import (
 )
 from planner.simulate import simulate, store_everything
 from planner.solvers import lowest_peak
+from tests.planner.synthetic_graphs import MIB, chain_graph, static_bytes, with_selective_price
 
 SIZES_MIB = [8, 8, 8, 8, 8, 8]
 

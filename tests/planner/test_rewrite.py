@@ -6,7 +6,6 @@ import copy
 
 import torch
 from torch import nn
-from zoo_checks import assert_same_step, one_step
 
 import planner
 from planner.capture import capture
@@ -14,6 +13,7 @@ from planner.graph_build import build_activation_graph
 from planner.ir import Region, RegionPolicy, Schedule
 from planner.measurement import default_loss
 from planner.rewrite import CheckpointedRegion, planned_graph_of, rewrite
+from planner.testing.steps import assert_same_step, one_step
 from planner.zoo import build_model
 
 

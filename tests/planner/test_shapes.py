@@ -15,16 +15,16 @@ from functools import cache
 
 import pytest
 import torch
-from test_real_models import entries, one_call_step
 from torch import nn
-from zoo_checks import assert_same_step
 
 import planner
 from planner.capture import Capture, GraphCall
 from planner.errors import LargerShapeWarning, format_bytes
 from planner.rewrite import CheckpointedRegion
 from planner.shapes import MANY_SHAPES, is_larger
-from planner.zoo_real import ExampleCall, build_call
+from planner.testing.steps import assert_same_step, one_step
+from planner.testing.zoo_real import ExampleCall, build_call
+from tests.planner.real_models import entries
 
 PREDICTION_TOLERANCE = 0.02
 
@@ -83,7 +83,10 @@ def test_smaller_calls_fit_the_budget_and_keep_gradients(name: str, dims: tuple[
     assert module is not None
     measured = planner.measure(copy.deepcopy(module), smaller.args, example_kwargs=smaller.kwargs).peak_bytes
     assert measured <= done.plan.budget_bytes, f"{name} at {dims} halved: {measured} over the budget"
-    assert_same_step(one_call_step(smaller.model, smaller), one_call_step(module, smaller))
+    assert_same_step(
+        one_step(smaller.model, smaller.args, kwargs=smaller.kwargs),
+        one_step(module, smaller.args, kwargs=smaller.kwargs),
+    )
     if done.plan.capture.startswith("module"):
         with pytest.raises(planner.UnsupportedModel, match="meta device"):
             done.plan.predicted_peak_bytes_for(*smaller.args, **smaller.kwargs)
@@ -102,7 +105,10 @@ def test_a_batch_of_one_trains_with_the_original_gradients(name: str) -> None:
         {key: value[:1] if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()},
     )
     assert done.plan.module is not None
-    assert_same_step(one_call_step(one.model, one), one_call_step(done.plan.module, one))
+    assert_same_step(
+        one_step(one.model, one.args, kwargs=one.kwargs),
+        one_step(done.plan.module, one.args, kwargs=one.kwargs),
+    )
 
 
 @pytest.mark.parametrize("name", entries(["hf_gpt2"]))
@@ -180,7 +186,9 @@ def test_a_shape_the_graph_excludes_is_captured_again_once_with_the_plans_region
     assert plan.capture == "export" and plan.module is not None and plan.regions
     module = copy.deepcopy(plan.module)
     small = ExampleCall(model, (example[:3],))
-    assert_same_step(one_call_step(model, small), one_call_step(module, small))
+    assert_same_step(
+        one_step(model, small.args, kwargs=small.kwargs), one_step(module, small.args, kwargs=small.kwargs)
+    )
     for rows in (3, 2, 3):
         module(example[:rows])
     dispatch = module._planner_calls

@@ -6,8 +6,8 @@ import pytest
 
 import planner
 from planner.profiling import fsdp_unit_bytes
+from planner.testing.zoo_real import build_call
 from planner.zoo import build_model
-from planner.zoo_real import build_call
 
 WORLD_SIZE = 4
 

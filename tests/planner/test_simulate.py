@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from synthetic_graphs import MIB, chain_graph, with_selective_price
 
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
 from planner.simulate import simulate, store_everything
+from tests.planner.synthetic_graphs import MIB, chain_graph, with_selective_price
 
 STATIC_MIB = 4 + 1 + 8  # parameters + inputs + Adam state of `chain_graph`
 

@@ -3,38 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import random
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from synthetic_graphs import MIB, chain_graph, random_chain
 
 from planner.errors import InfeasibleBudget
-from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
-from planner.simulate import CheckpointRule, simulate, store_everything
+from planner.ir import ActivationGraph, Schedule
+from planner.simulate import simulate, store_everything
 from planner.solvers import SOLVERS, lowest_peak, solve
 from planner.solvers.chain import build_chain
 from planner.solvers.dp import Objective, _Partials, _prune
-
-
-def all_schedules(graph: ActivationGraph) -> Iterator[Schedule]:
-    """Every partition of a chain into regions, each stored or checkpointed (loss never checkpointed;
-    a split call checkpointed whole or one child call at a time, NOTE [split calls])."""
-    count = len(graph.nodes)
-    rule = CheckpointRule.of(graph)
-    for cut_mask in itertools.product((False, True), repeat=count - 1):
-        bounds = [0, *[i + 1 for i, cut in enumerate(cut_mask) if cut], count]
-        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        for policies in itertools.product(tuple(RegionPolicy), repeat=len(spans)):
-            regions = tuple(Region(a, b, p) for (a, b), p in zip(spans, policies, strict=True))
-            if any(
-                r.policy is RegionPolicy.CHECKPOINT and not rule.allows(graph, r.start, r.stop)
-                for r in regions
-            ):
-                continue
-            yield Schedule(regions=regions, solver="brute-force")
+from tests.planner.synthetic_graphs import MIB, all_schedules, chain_graph, random_chain
 
 
 def validate(graph: ActivationGraph, schedule: Schedule, budget_bytes: int) -> None:

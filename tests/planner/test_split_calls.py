@@ -9,16 +9,15 @@ import random
 
 import pytest
 import torch
-from synthetic_graphs import random_dag, with_split_call
-from test_solvers import all_schedules
 from torch import nn
-from zoo_checks import assert_same_step, one_step
 
 import planner
 from planner.ir import GLUE_OP, ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulate import CheckpointRule, simulate
 from planner.solvers import solve
-from planner.zoo_real import build_call
+from planner.testing.steps import assert_same_step, one_step
+from planner.testing.zoo_real import build_call
+from tests.planner.synthetic_graphs import all_schedules, random_dag, with_split_call
 
 SPLIT_DAGS = {
     f"split-dag-{seed}": with_split_call(random_dag(random.Random(seed), 7), 2, 7) for seed in range(4)

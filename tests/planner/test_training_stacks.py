@@ -21,7 +21,7 @@ import torch
 
 import planner
 from planner.errors import LargerShapeWarning
-from planner.zoo_real import build_call
+from planner.testing.zoo_real import build_call
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(name) is None for name in ("transformers", "accelerate", "peft")),

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from synthetic_graphs import chain_graph
 
+from planner.blocks import main_container, numbered_containers
 from planner.ir import RegionPolicy, Schedule
 from planner.plan import Plan
 from planner.simulate import simulate
@@ -17,11 +17,10 @@ from planner.whatif import (
     each_block,
     each_node,
     equal_segments,
-    main_container,
-    numbered_containers,
     render_comparison,
     whole_model,
 )
+from tests.planner.synthetic_graphs import chain_graph
 
 GRAPH = chain_graph([8] * 12)
 BODY = len(GRAPH.nodes) - 1  # the loss node after the model cannot be checkpointed

@@ -1,7 +1,8 @@
 """`optimize`, `pareto` and `measure`: the torch side of the public API (imported lazily by `planner`).
 
 `optimize` and `pareto` are `planner.profile` (profiling.py) followed by one solve or many; the
-arguments are checked before the profiling run, so a bad budget or solver name costs none.
+arguments are checked before the profiling run, so a bad budget or solver name costs none. The
+torch-free counterpart, for a graph captured elsewhere, is graph_api.py (`plan_graph`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from typing import Any
 import torch
 
 from planner.cost_model import DeviceSpec
+from planner.graph_api import Frontier
 from planner.ir import TrainingStep
 from planner.measurement import MeasuredStep, OptimizerSpec, default_loss, measure_step
 from planner.plan import Plan
 from planner.profiling import budget_bytes_of, example_call, profile, training_step_of
 from planner.solvers import check_solver
-from planner.solving import Frontier
 
 __all__ = ["measure", "optimize", "pareto"]
 

@@ -1,0 +1,58 @@
+"""The real-model zoo's entries as test parameters, and the plan the real-model tests share.
+
+`entries` marks a Hugging Face entry skipped when `transformers` is not installed (it is in the `dev`
+extra). `plan_at_mid_budget` plans an entry with the `dp` solver halfway between its own predicted
+lowest and no-checkpointing peaks; the `mid_budget_plan` fixture (conftest.py) makes it once a session.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+import planner
+from planner.testing.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
+
+PREDICTION_TOLERANCE = 0.02
+MID_BUDGET_FRACTION = 0.5
+SOLVER = "dp"
+HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
+PLANNABLE = list(REAL_ZOO)
+
+
+def needs(name: str) -> list[pytest.MarkDecorator]:
+    if REAL_ZOO[name].requires == HUGGING_FACE and not HAS_TRANSFORMERS:
+        return [pytest.mark.skip(reason="needs transformers (pip install -e '.[dev]')")]
+    return []
+
+
+def entries(names: list[str]) -> list[Any]:
+    return [pytest.param(name, marks=needs(name)) for name in names]
+
+
+@dataclass(frozen=True)
+class MidBudgetPlan:
+    """A real-zoo entry's example call, its plan and the budget it was planned for."""
+
+    call: ExampleCall
+    plan: planner.Plan
+    budget_bytes: int
+
+
+def plan_at_mid_budget(name: str) -> MidBudgetPlan:
+    call = build_call(name)
+    reference = planner.optimize(call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40)
+    lowest, baseline = reference.min_peak_bytes, reference.baseline_peak_bytes
+    budget = int(lowest + MID_BUDGET_FRACTION * (baseline - lowest))
+    plan = planner.optimize(
+        call.model, call.args, example_kwargs=call.kwargs, budget_bytes=budget, solver=SOLVER
+    )
+    return MidBudgetPlan(call=call, plan=plan, budget_bytes=budget)
+
+
+MidBudgetPlanner = Callable[[str], MidBudgetPlan]
+"""The `mid_budget_plan` fixture: an entry's name to its (cached) mid-budget plan."""

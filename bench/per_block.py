@@ -13,8 +13,9 @@ model (the user-report zoo and the real-model zoo, DAG-shaped models included) t
   and whether it fits, and its step time against the hand method's, as the median of per-round ratios
   over interleaved rounds (with the range of the rounds: the CPU is noisy).
 
-Models planned by submodules (capture "module") are listed with their reason and no plan, see
-docs/limits.md. Run from the repository root (about 4 min on 2 CPU cores):
+Models planned by submodules (capture "module") are measured as every other model. Run from the
+repository root (about 4 min on 2 CPU cores); with `--models`, the named models' rows replace theirs in
+the existing results and the other rows are kept:
 
     .venv/bin/python -m bench.per_block [--models unet_deep,vit_torch_encoder] [--rounds 7]
 
@@ -34,7 +35,7 @@ from typing import Any
 
 import planner
 from bench.peers import contender, interleaved_step_ms, machine, mib, paired_ratio, planner_revision
-from planner.capture import CapturePath, has_hooks
+from planner.capture import has_hooks
 from planner.testing.zoo_real import REAL_ZOO, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
 from planner.zoo_dag import checkpoint_every_instance, repeated_module_types
@@ -64,9 +65,6 @@ def hand_variants(call: ExampleCall) -> dict[str, Any]:
 def model_row(name: str, rounds: int) -> dict[str, Any]:
     call = example_call(name)
     row: dict[str, Any] = {"model": name}
-    if name in REAL_ZOO and REAL_ZOO[name].capture == CapturePath.MODULE:
-        row["skipped"] = "planned by submodules: replays are over-predicted by the units' outputs"
-        return row
     variants = hand_variants(call)
     if not variants:
         row["skipped"] = "no module type with two or more hook-free instances"
@@ -130,6 +128,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + f"\n\n{note}\n"
 
 
+def _replace_rows(kept: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`kept` (an earlier run's rows, in its order) with the rows of `new`'s models replaced; models
+    `kept` does not have are added at the end."""
+    by_model = {row["model"]: row for row in new}
+    merged = [by_model.pop(row["model"], row) for row in kept]
+    return merged + list(by_model.values())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=None, help="comma-separated zoo names (default: every model)")
@@ -138,13 +144,17 @@ def main() -> int:
     arguments = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     names = arguments.models.split(",") if arguments.models else [*FIDELITY_ZOO, *REAL_ZOO]
+    revision = planner_revision()
     rows = []
     for name in names:
-        rows.append(model_row(name, arguments.rounds))
+        # Each row names the commit it was measured at: a run with --models keeps other runs' rows.
+        rows.append({**model_row(name, arguments.rounds), "revision": revision["commit"]})
         log.info("%s: %s", name, rows[-1])
     out = Path(arguments.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"machine": machine(), "revision": planner_revision(), "rows": rows}
+    if arguments.models and out.exists():
+        rows = _replace_rows(json.loads(out.read_text())["rows"], rows)
+    record = {"machine": machine(), "revision": revision, "rows": rows}
     out.write_text(json.dumps(record, indent=2) + "\n")
     table = markdown(rows)
     out.with_suffix(".md").write_text(table)

@@ -367,6 +367,18 @@ def profile(
         device=device,
     )
     log.info("profiled %d nodes in %.1f s", len(profiled.nodes), time.perf_counter() - started)
+    return _profile_of(model, args, kwargs, captured, profiled, settings)
+
+
+def _profile_of(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    captured: Capture | None,
+    profiled: ActivationGraph,
+    settings: ProfileSettings,
+) -> Profile:
+    """The Profile of one profiled graph, with the graph the solvers take made from it."""
     return Profile(
         model=model,
         example_args=args,
@@ -412,15 +424,7 @@ def _profile_units(
     _check_units(model, profiled, reason)
     if settings.sharding is Sharding.FSDP:
         profiled = dataclasses.replace(profiled, capture=f"{profiled.capture} ({FSDP_CAPTURE_NOTE})")
-    return Profile(
-        model=model,
-        example_args=args,
-        example_kwargs=kwargs,
-        capture=None,
-        profiled_graph=profiled,
-        graph=_for_settings(profiled, model, settings),
-        settings=settings,
-    )
+    return _profile_of(model, args, kwargs, None, profiled, settings)
 
 
 def _check_units(model: torch.nn.Module, graph: ActivationGraph, reason: str) -> None:

@@ -184,7 +184,9 @@ KEPT_SLACK = 0.02
 """Allowance, as a fraction of compiled no-checkpointing's kept bytes, before a fraction counts as missed."""
 RECOMPILE_LIMIT = 64
 """Dynamo's cache entries per code object; every compiled variant of one model class needs its own."""
-MODEL_TIMEOUT_S = 1200
+MODEL_TIMEOUT_S = 2400
+"""A model that compiles many plans (DenseNet, gpt_tiny: up to seven compilations of 1-2 min each on a
+loaded 2-core machine) takes 20 min or more; the limit only catches a hung worker."""
 DEFAULT_JOBS = 2
 """Two models at a time, each with half the cores: most of a model's time is compiling and profiling,
 which use one core, so two processes finish the zoo in about half the time. Each process times its own

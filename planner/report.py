@@ -405,7 +405,10 @@ def _plan_space_note(plan: Plan) -> str:
         quality = "least recompute proven"
     else:
         quality = f"within {gap:.1%} of the least recompute"
-    return f"{quality}; regions start and end at module calls and cuts"
+    space = "regions start and end at module calls and cuts"
+    if plan.schedule.solver != "ilp":
+        space += "; no selective keeps (the ilp solver also searches those)"
+    return f"{quality}; {space}"
 
 
 def render_summary(plan: Plan) -> str:

@@ -27,6 +27,7 @@ __all__ = [
     "ModelResult",
     "Mode",
     "Row",
+    "Tally",
     "TrackerCheck",
     "label",
     "markdown",
@@ -35,6 +36,8 @@ __all__ = [
     "plot",
     "result_from_dict",
     "summary_table",
+    "tally",
+    "tally_table",
     "time_vs_peer",
 ]
 
@@ -355,6 +358,66 @@ def summary_table(results: Sequence[ModelResult]) -> list[str]:
     return lines
 
 
+@dataclass
+class Tally:
+    """How one solver's rows of one mode fared against their peers (each peer with a measured peak is
+    one comparison); a miss is counted once, by its first reason in this order."""
+
+    comparisons: int = 0
+    matched: int = 0
+    no_plan: int = 0
+    """Ours has no measured row (planning refused or failed)."""
+    over_peak: int = 0
+    slower_every_round: int = 0
+    slower_median: int = 0
+    """Slower by the median ratio, but not in every round: within the rounds' spread."""
+    misses_against_wrong_gradients: int = 0
+    """Misses where the peer's own gradients were wrong (NOTE [compiled gradients] in bench/compare.py)."""
+
+
+def tally(results: Sequence[ModelResult], mode: Mode, solver: str) -> Tally:
+    """Count `solver`'s comparisons in `mode` and why the misses missed."""
+    counts = Tally()
+    for result in results:
+        rows = [row for row in result.rows if row.mode is mode]
+        for peer in (row for row in rows if row.family is Family.PEER and row.peak_bytes is not None):
+            counts.comparisons += 1
+            ours = ours_against(peer, rows, solver)
+            matched = matches_peer(ours, rows) if ours is not None and ours.peak_bytes is not None else None
+            if matched:
+                counts.matched += 1
+                continue
+            counts.misses_against_wrong_gradients += peer.gradients_equal is False
+            if matched is None or ours is None:
+                counts.no_plan += 1
+            elif not ours.within_budget:
+                counts.over_peak += 1
+            elif spread_text(ours, rows).startswith("slower in all"):
+                counts.slower_every_round += 1
+            else:
+                counts.slower_median += 1
+    return counts
+
+
+def tally_table(results: Sequence[ModelResult]) -> list[str]:
+    """Per mode and solver: comparisons matched, and the misses by reason."""
+    lines = [
+        "| mode | solver | within the peer's peak and no slower | no plan | over the peak | "
+        "slower in every round | slower by the median only | misses whose peer's gradients were wrong |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in Mode:
+        for solver in ("dp", "ilp"):
+            counts = tally(results, mode, solver)
+            if counts.comparisons:
+                lines.append(
+                    f"| {mode} | {solver} | {counts.matched} of {counts.comparisons} | {counts.no_plan} | "
+                    f"{counts.over_peak} | {counts.slower_every_round} | {counts.slower_median} | "
+                    f"{counts.misses_against_wrong_gradients} |"
+                )
+    return lines
+
+
 def markdown(results: Sequence[ModelResult], context: dict[str, Any]) -> str:
     device = context["device"]
     load = ", ".join(f"{value:.1f}" for value in context["machine"]["load_average_1_5_15_min"])
@@ -378,6 +441,14 @@ def markdown(results: Sequence[ModelResult], context: dict[str, Any]) -> str:
         "Time: step time over no checkpointing in the same mode (median of interleaved rounds).",
         "",
         *summary_table(results),
+        "",
+        "## Tally",
+        "",
+        "Each peer with a measured peak is one comparison per solver; a miss counts once, by its first "
+        'reason from the left. "Slower by the median only": some rounds were no slower (the rounds\' '
+        "spread is in the tables below).",
+        "",
+        *tally_table(results),
         "",
     ]
     for mode in Mode:

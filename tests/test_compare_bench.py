@@ -97,6 +97,24 @@ def test_the_summary_gives_each_peer_one_line_with_both_solvers() -> None:
     ], "the not-applicable peer has no line"
 
 
+def test_the_tally_counts_matches_and_each_miss_by_its_first_reason() -> None:
+    result = fake_result()
+    dp = report.tally([result], report.Mode.EAGER, "dp")
+    assert (dp.comparisons, dp.matched) == (1, 1)
+    ilp = report.tally([result], report.Mode.EAGER, "ilp")
+    assert (ilp.comparisons, ilp.matched, ilp.over_peak, ilp.slower_every_round) == (1, 0, 1, 0)
+    result.rows[1].gradients_equal = False
+    result.rows[3].peak_bytes, result.rows[3].within_budget = 29 * MIB, True
+    ilp = report.tally([result], report.Mode.EAGER, "ilp")
+    assert (ilp.over_peak, ilp.slower_every_round, ilp.misses_against_wrong_gradients) == (0, 1, 1)
+    del result.rows[3]
+    assert report.tally([result], report.Mode.EAGER, "ilp").no_plan == 1
+    assert report.tally([result], report.Mode.COMPILED, "ilp").comparisons == 0
+    table = report.markdown([result], context())
+    assert "| eager | dp | 1 of 1 | 0 | 0 | 0 | 0 | 0 |" in table
+    assert "| eager | ilp | 0 of 1 | 1 | 0 | 0 | 0 | 1 |" in table
+
+
 def test_a_result_survives_the_json_between_worker_and_parent() -> None:
     result = fake_result()
     result.tracker_check = report.TrackerCheck(

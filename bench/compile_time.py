@@ -19,8 +19,9 @@ found first in a third interpreter without compiling (`plan_compiled_step`).
     .venv/bin/python -m bench.compile_time                       # the compare bench's models
     .venv/bin/python -m bench.compile_time --models gpt_tiny,unet --out /tmp/compile_time.json
 
-Results: JSON at `--out` (default bench/results/compile_time.json) and a markdown table beside it. The
-machine's load average is recorded before the first model: timings on a shared machine are noisy.
+Results: JSON at `--out` (default bench/results/compile_time.json) and a markdown table beside it. Each
+model's row records the commit it measured and the machine's load average when it started: timings on
+a shared machine are noisy. With `--models` the other models' rows of an existing `--out` are kept.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 
 import planner
 from bench.compare import MODELS, build_example
-from bench.peers import machine
+from bench.peers import machine, planner_revision
 from planner.compiled import plan_compiled_step
 from planner.errors import UnsupportedModel
 from planner.ir import TrainingStep
@@ -157,29 +158,43 @@ def measure_model(name: str) -> dict[str, Any]:
     }
 
 
-def markdown(results: dict[str, dict[str, Any]], context: dict[str, Any]) -> str:
-    load = context["machine"]["load_average_1_5_15_min"]
+def markdown(results: dict[str, dict[str, Any]]) -> str:
+    """One line per model; each names the load average when it started and the commit it measured."""
     lines = [
-        f"# Compile time, planned vs torch.compile (cold caches; load average {load})",
+        "# Compile time, planned vs torch.compile (cold caches)",
         "",
         f"| model | torch.compile s | torch.compile at budget {PEER_PERCENT / 100:g} s | planned s "
-        "| of it planning s | compilations | planned / torch.compile | within 2x |",
-        "|---|---|---|---|---|---|---|---|",
+        "| of it planning s | compilations | planned / torch.compile | within 2x | load (1 min) | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in results.items():
+        where = f"{_load_1_min(row)} | {str(row.get('revision') or '—')[:7]} |"
         if "refused" in row:
             lines.append(
                 f"| {name} | {row['torch_compile_s']:.1f} | "
-                f"| refused: {row['refused'].split(';')[0]} | | | | |"
+                f"| refused: {row['refused'].split(';')[0]} | | | | | {where}"
             )
             continue
         verdict = "yes" if row["ratio"] <= MAX_RATIO else "**no**"
         lines.append(
             f"| {name} | {row['torch_compile_s']:.1f} | {row['torch_compile_budget_s']:.1f} "
             f"| {row['planned_compile_s']:.1f} "
-            f"| {row['planning_s']:.1f} | {row['attempts']} | {row['ratio']:.2f} | {verdict} |"
+            f"| {row['planning_s']:.1f} | {row['attempts']} | {row['ratio']:.2f} | {verdict} | {where}"
         )
     return "\n".join(lines) + "\n"
+
+
+def _load_1_min(row: dict[str, Any]) -> str:
+    load = row.get("load_average")
+    return f"{load[0]:.1f}" if load else "—"
+
+
+def _kept_results(out: Path) -> dict[str, dict[str, Any]]:
+    """The rows an earlier run wrote at `out`, which a run with --models replaces model by model."""
+    try:
+        return dict(json.loads(out.read_text())["models"])
+    except (OSError, ValueError, KeyError):
+        return {}
 
 
 def main(argv: Sequence[str]) -> int:
@@ -194,18 +209,22 @@ def main(argv: Sequence[str]) -> int:
         arguments.worker_out.write_text(json.dumps(WORKERS[kind](name, *map(int, rest))))
         return 0
     names = arguments.models.split(",") if arguments.models else list(MODELS)
+    revision = planner_revision()
     context = {
         "machine": machine(),
         "torch": torch.__version__,
         "command": [Path(sys.executable).name, *sys.argv],
+        "revision": revision,
     }
-    results: dict[str, dict[str, Any]] = {}
+    results = _kept_results(arguments.out) if arguments.models else {}
     arguments.out.parent.mkdir(parents=True, exist_ok=True)
     for name in names:
-        results[name] = measure_model(name)
+        # Each row names its commit and load: a run with --models keeps the other models' rows.
+        load = machine()["load_average_1_5_15_min"]
+        results[name] = {**measure_model(name), "revision": revision["commit"], "load_average": load}
         # Written after every model, so an interrupted run keeps what it measured.
         arguments.out.write_text(json.dumps({**context, "models": results}, indent=1) + "\n")
-    table = markdown(results, context)
+    table = markdown(results)
     arguments.out.with_suffix(".md").write_text(table)
     sys.stdout.write(table)
     return 0

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 import planner
-from bench.compare import MODELS, build_example
+from bench.compare import MODELS, build_example, log_methods
 from bench.peers import machine, planner_revision
 from planner.compiled import plan_compiled_step
 from planner.errors import UnsupportedModel
@@ -206,7 +206,10 @@ def main(argv: Sequence[str]) -> int:
     arguments = parser.parse_args(argv)
     if arguments.worker:
         kind, name, *rest = arguments.worker
-        arguments.worker_out.write_text(json.dumps(WORKERS[kind](name, *map(int, rest))))
+        # both sides compile the step as one graph (bench/compare.py, NOTE [log calls])
+        with torch._dynamo.config.patch(ignore_logger_methods=log_methods()):
+            measured = WORKERS[kind](name, *map(int, rest))
+        arguments.worker_out.write_text(json.dumps(measured))
         return 0
     names = arguments.models.split(",") if arguments.models else list(MODELS)
     revision = planner_revision()

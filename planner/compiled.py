@@ -20,7 +20,9 @@ NOTE [graph breaks]: a model dynamo splits into several graphs whose backward is
 control flow, a log call in the forward) cannot be planned as one step: each graph would be planned
 alone under the whole budget. `optimize` refuses it (`UnsupportedModel`, with dynamo's reasons) once
 it sees a second such graph, and `plan_compiled_step` asks `torch._dynamo.explain` first. A log call is
-the common case; `torch._dynamo.config.ignore_logger_methods` makes dynamo skip it. Shapes are static
+the common case (Hugging Face's GPT-2 warns once from its loss): while `optimize` compiles, dynamo skips
+the `logging.Logger` methods (`ignore_logger_methods`), so the message is not logged from the compiled
+step; a recompile later (another shape) runs under the caller's own dynamo settings. Shapes are static
 (`dynamic=False`): a call with other shapes recompiles, and that graph is planned on its own.
 
 NOTE [partitioner hook]: torch 2.13 offers two hooks. `activation_memory_budget_solver` takes a
@@ -354,7 +356,7 @@ def plan_compiled_step(
     _refuse_graph_breaks(call)
     planning = CompiledPlanning(request, plan_only=True)
     module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), dynamic=False))
-    with torch._dynamo.config.patch(DYNAMO_LIMITS):
+    with _dynamo_settings():
         _compile_step(module, call)
     return planning.plans[0]
 
@@ -365,7 +367,7 @@ def _refuse_graph_breaks(call: _ExampleStep) -> None:
     others would go unplanned."""
     from planner.graph_build import preserved_state
 
-    with preserved_state(call.model):
+    with preserved_state(call.model), _dynamo_settings():
         explanation = torch._dynamo.explain(call.model)(*call.inputs, **call.kwargs)
     trained = [graph for graph in explanation.graphs if _needs_backward(graph)]
     if len(trained) > 1:
@@ -425,6 +427,18 @@ DYNAMO_LIMITS = {"recompile_limit": 2**10, "accumulated_recompile_limit": 2**16}
 """Each planning compiles the model afresh (a backend of its own), which dynamo counts as a recompile
 of the model's code; planning the same model class many times must not hit its limits and fall back
 to eager, which would leave the plan uninstalled."""
+LOG_METHODS = ("debug", "info", "warning", "warning_once", "error")
+"""`logging.Logger` methods dynamo skips while `optimize` compiles (NOTE [graph breaks]); transformers
+adds `warning_once` to the class when it is imported."""
+
+
+@contextlib.contextmanager
+def _dynamo_settings() -> Iterator[None]:
+    """DYNAMO_LIMITS, and log calls skipped rather than splitting the graph (NOTE [graph breaks])."""
+    methods = {method for name in LOG_METHODS if (method := getattr(logging.Logger, name, None)) is not None}
+    ignored = set(torch._dynamo.config.ignore_logger_methods) | methods
+    with torch._dynamo.config.patch({**DYNAMO_LIMITS, "ignore_logger_methods": ignored}):
+        yield
 
 
 @dataclass(frozen=True)
@@ -451,7 +465,7 @@ def _plan_and_compile(call: _ExampleStep, request: _Request) -> tuple[Plan, torc
     """Compile `call.model` with a planning partitioner; its plan, the compiled module, seconds planning."""
     planning = CompiledPlanning(request)
     module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), dynamic=False))
-    with torch._dynamo.config.patch(DYNAMO_LIMITS):
+    with _dynamo_settings():
         _compile_step(module, call)
     if len(planning.plans) != 1:  # NOTE [graph breaks]
         raise UnsupportedModel(

@@ -47,6 +47,7 @@ QUOTES = (
     Quote("solvers", "docs/results.md", SOLVERS_RESULTS, "| graph | nodes | solver |"),
     Quote("cost-models", "docs/results.md", SOLVERS_RESULTS, "| model | nodes | distinct operators |"),
     Quote("compare-summary", "docs/benchmark.md", "bench/results/compare.md", "| model | mode | peer |"),
+    Quote("compare-tally", "docs/benchmark.md", "bench/results/compare.md", "| mode | solver |"),
 )
 
 

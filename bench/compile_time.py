@@ -19,7 +19,8 @@ found first in a third interpreter without compiling (`plan_compiled_step`).
     .venv/bin/python -m bench.compile_time                       # the compare bench's models
     .venv/bin/python -m bench.compile_time --models gpt_tiny,unet --out /tmp/compile_time.json
 
-Results: JSON at `--out` (default bench/results/compile_time.json) and a markdown table beside it. Each
+Results: JSON at `--out` (default bench/results/compile_time.json) and a markdown table beside it, which
+docs/compiled.md quotes (bench/docs_tables.py). Each
 model's row records the commit it measured and the machine's load average when it started: timings on
 a shared machine are noisy. With `--models` the other models' rows of an existing `--out` are kept.
 """
@@ -41,6 +42,7 @@ import torch
 
 import planner
 from bench.compare import MODELS, build_example, log_methods
+from bench.docs_tables import refresh_quotes
 from bench.peers import machine, planner_revision
 from planner.compiled import plan_compiled_step
 from planner.errors import UnsupportedModel
@@ -229,6 +231,7 @@ def main(argv: Sequence[str]) -> int:
         arguments.out.write_text(json.dumps({**context, "models": results}, indent=1) + "\n")
     table = markdown(results)
     arguments.out.with_suffix(".md").write_text(table)
+    refresh_quotes(arguments.out.with_suffix(".md"))
     sys.stdout.write(table)
     return 0
 

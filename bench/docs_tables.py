@@ -1,12 +1,12 @@
 """Copies the benches' markdown tables into the docs pages that quote them.
 
-Why it exists: docs/coverage.md, docs/results.md and docs/benchmark.md quote tables that bench scripts
-write under bench/results/; copied by hand, a page drifts from the run it cites. Each quoted table sits
-in its page between `<!-- bench:NAME:start -->` and `<!-- bench:NAME:end -->`, and `QUOTES` names the
-results file and the table in it (by the start of its header row). A bench calls `refresh_quotes` after
-writing a results file, which rewrites every quote of that file (a run with `--out` elsewhere quotes
-nothing). Tables a page states in its own words (fidelity, per-block, capacity, service load) are not
-quoted here; their bench's docstring names the page.
+Why it exists: docs/coverage.md, docs/results.md, docs/benchmark.md and docs/compiled.md quote tables
+that bench scripts write under bench/results/; copied by hand, a page drifts from the run it cites. Each
+quoted table sits in its page between `<!-- bench:NAME:start -->` and `<!-- bench:NAME:end -->`, and
+`QUOTES` names the results file and the table in it (by the start of its header row). A bench calls
+`refresh_quotes` after writing a results file, which rewrites every quote of that file (a run with
+`--out` elsewhere quotes nothing). Tables a page states in its own words (fidelity, per-block,
+capacity, service load) are not quoted here; their bench's docstring names the page.
 
     .venv/bin/python bench/docs_tables.py           # refresh every quote from bench/results/
     .venv/bin/python bench/docs_tables.py --check   # exit 1, naming them, if a page differs
@@ -48,6 +48,7 @@ QUOTES = (
     Quote("cost-models", "docs/results.md", SOLVERS_RESULTS, "| model | nodes | distinct operators |"),
     Quote("compare-summary", "docs/benchmark.md", "bench/results/compare.md", "| model | mode | peer |"),
     Quote("compare-tally", "docs/benchmark.md", "bench/results/compare.md", "| mode | solver |"),
+    Quote("compile-time", "docs/compiled.md", "bench/results/compile_time.md", "| model | torch.compile s |"),
 )
 
 

@@ -10,7 +10,8 @@ carrying the lowest peak any known schedule reaches. Registered solvers:
 - `dp`: least recompute over regions between candidate boundaries: every module call and every cut,
   with whatever tensors cross them (solvers/chain.py, solvers/dp.py);
 - `ilp`: CP-SAT over the same regions plus selective keeps inside checkpointed regions
-  (solvers/ilp.py), warm-started from `dp` and never returning a worse plan than `dp`'s;
+  (solvers/ilp.py), warm-started from `dp` and never returning a worse plan than `dp`'s (more
+  recompute, or as much at a higher peak);
 - `auto`: `ilp` with a 1 s deterministic-time budget while the model is small enough, else `dp`.
 """
 
@@ -45,6 +46,8 @@ AUTO_ILP_MAX_TRANSITIONS = 1500
 AUTO_ILP_MAX_NODES = 2000
 """Beyond these `auto` uses `dp`: the ILP has a constraint per point of every transition with keeps."""
 MAX_TIGHTENING = 6
+RECOMPUTE_TIE_MS = 1e-9
+"""Recompute times closer than this are a tie, which the lower simulated peak breaks."""
 """Times `dp` re-solves with a lower limit when the simulator finds its plan over budget."""
 
 
@@ -149,7 +152,8 @@ def solve_ilp(
 ) -> Schedule:
     """CP-SAT with selective keeps, warm-started from `dp`; never worse than `dp`'s plan."""
     dp_plan = solve_dp(graph, budget_bytes=budget_bytes)
-    dp_ms = simulate(graph, dp_plan).recompute_ms
+    dp_result = simulate(graph, dp_plan)
+    dp_ms = dp_result.recompute_ms
     started = time.perf_counter()
     result = ilp_schedule(
         _tables(graph).costs,
@@ -165,7 +169,11 @@ def solve_ilp(
     if result is not None:
         simulated = simulate(graph, result.schedule)
         if simulated.peak_bytes <= budget_bytes and simulated.recompute_ms <= dp_ms:
-            return dataclasses.replace(result.schedule, gap=result.gap)
+            less_recompute = simulated.recompute_ms < dp_ms - RECOMPUTE_TIE_MS
+            if less_recompute or simulated.peak_bytes <= dp_result.peak_bytes:
+                return dataclasses.replace(result.schedule, gap=result.gap)
+            # the same least recompute (often none at all), which dp's plan reaches at a lower peak
+            return Schedule(regions=dp_plan.regions, solver="ilp", gap=result.gap)
         log.info(
             "ilp plan (peak %d of %d bytes, %.2f ms recompute) no better than dp's (%.2f ms); keeping dp's",
             simulated.peak_bytes,

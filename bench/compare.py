@@ -112,6 +112,7 @@ import torch
 import planner
 from bench.compare_report import (
     NO_CHECKPOINTING,
+    SOLVERS,
     Family,
     Mode,
     ModelResult,
@@ -138,6 +139,7 @@ from bench.peers import (
     sqrt_segments_peer,
 )
 from planner import zoo
+from planner.compiled import log_methods as planner_log_methods
 from planner.compiled import plan_compiled_step
 from planner.graph_api import plan_graph
 from planner.ir import TrainingStep
@@ -167,7 +169,6 @@ FRACTIONS = (1.0, 0.5, 0.2, 0.0)
 QUICK_FRACTIONS = (1.0, 0.0)
 NO_CHECKPOINTING_FRACTION = 1.0
 """activation_memory_budget=1.0 is the default partition: compiled no checkpointing."""
-SOLVERS = ("dp", "ilp")
 TIMING_ROUNDS = 7
 QUICK_TIMING_ROUNDS = 3
 WARMUP_STEPS = 1
@@ -259,12 +260,12 @@ def compiler_settings() -> Iterator[None]:
 
 
 def log_methods() -> set[Callable[..., Any]]:
-    """NOTE [log calls]: the `logging.Logger` methods dynamo skips instead of breaking the graph
-    (transformers adds `warning_once` to the class when it is imported)."""
+    """NOTE [log calls]: the logging methods dynamo skips instead of breaking the graph, as
+    `optimize(..., compile=True)` skips them (transformers adds `warning_once` when it is imported, and
+    the models are built after the compiler settings are entered)."""
     with contextlib.suppress(ImportError):
         import transformers  # noqa: F401
-    names = ("debug", "info", "warning", "warning_once", "error")
-    return {method for name in names if (method := getattr(logging.Logger, name, None)) is not None}
+    return planner_log_methods()
 
 
 def budget_backend(fraction: float) -> Callable[..., Any]:

@@ -23,6 +23,7 @@ from bench.peers import EVERY_BLOCK, MIB, SQRT_SEGMENTS, fmt, mib, yes_no
 
 __all__ = [
     "NO_CHECKPOINTING",
+    "SOLVERS",
     "Family",
     "ModelResult",
     "Mode",
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 NO_CHECKPOINTING = "no checkpointing"
+SOLVERS = ("dp", "ilp")
+"""Our solvers, one row each per peer."""
 MIN_PEAK_SPAN = 0.02
 """A panel's peak axis spans at least this fraction of its value."""
 REASON_CHARACTERS = 160
@@ -312,6 +315,11 @@ def tracker_table(results: Sequence[ModelResult]) -> list[str]:
     return lines
 
 
+def measured_peers(rows: Sequence[Row]) -> list[Row]:
+    """The peers among `rows` with a measured peak: each is one comparison per solver."""
+    return [row for row in rows if row.family is Family.PEER and row.peak_bytes is not None]
+
+
 def ours_against(peer: Row, rows: Sequence[Row], solver: str) -> Row | None:
     return next(
         (
@@ -332,7 +340,7 @@ def peak_and_time(row: Row | None) -> str:
 def verdict_cell(peer: Row, rows: Sequence[Row]) -> str:
     """Per solver: does our row reach the peer's peak at no more step time (`matches_peer`)?"""
     verdicts = []
-    for solver in ("dp", "ilp"):
+    for solver in SOLVERS:
         ours = ours_against(peer, rows, solver)
         if ours is not None:
             verdicts.append(f"{solver} {yes_no(matches_peer(ours, rows))}")
@@ -347,8 +355,7 @@ def summary_table(results: Sequence[ModelResult]) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for result in results:
-        peers = [row for row in result.rows if row.family is Family.PEER and row.peak_bytes is not None]
-        for peer in peers:
+        for peer in measured_peers(result.rows):
             rows = [row for row in result.rows if row.mode is peer.mode]
             lines.append(
                 f"| {result.name} | {peer.mode} | {label(peer)} | {peak_and_time(peer)} | "
@@ -380,7 +387,7 @@ def tally(results: Sequence[ModelResult], mode: Mode, solver: str) -> Tally:
     counts = Tally()
     for result in results:
         rows = [row for row in result.rows if row.mode is mode]
-        for peer in (row for row in rows if row.family is Family.PEER and row.peak_bytes is not None):
+        for peer in measured_peers(rows):
             counts.comparisons += 1
             ours = ours_against(peer, rows, solver)
             matched = matches_peer(ours, rows) if ours is not None and ours.peak_bytes is not None else None
@@ -392,7 +399,7 @@ def tally(results: Sequence[ModelResult], mode: Mode, solver: str) -> Tally:
                 counts.no_plan += 1
             elif not ours.within_budget:
                 counts.over_peak += 1
-            elif spread_text(ours, rows).startswith("slower in all"):
+            elif min(ratios_vs_peer(ours, rows), default=0.0) > 1.0:
                 counts.slower_every_round += 1
             else:
                 counts.slower_median += 1
@@ -407,7 +414,7 @@ def tally_table(results: Sequence[ModelResult]) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for mode in Mode:
-        for solver in ("dp", "ilp"):
+        for solver in SOLVERS:
             counts = tally(results, mode, solver)
             if counts.comparisons:
                 lines.append(

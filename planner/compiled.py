@@ -432,11 +432,15 @@ LOG_METHODS = ("debug", "info", "warning", "warning_once", "error")
 adds `warning_once` to the class when it is imported."""
 
 
+def log_methods() -> set[Callable[..., Any]]:
+    """The `LOG_METHODS` that `logging.Logger` has now, for `ignore_logger_methods`."""
+    return {method for name in LOG_METHODS if (method := getattr(logging.Logger, name, None)) is not None}
+
+
 @contextlib.contextmanager
 def _dynamo_settings() -> Iterator[None]:
     """DYNAMO_LIMITS, and log calls skipped rather than splitting the graph (NOTE [graph breaks])."""
-    methods = {method for name in LOG_METHODS if (method := getattr(logging.Logger, name, None)) is not None}
-    ignored = set(torch._dynamo.config.ignore_logger_methods) | methods
+    ignored = set(torch._dynamo.config.ignore_logger_methods) | log_methods()
     with torch._dynamo.config.patch({**DYNAMO_LIMITS, "ignore_logger_methods": ignored}):
         yield
 

@@ -64,13 +64,8 @@ from torch._functorch import partitioners
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils._pytree import tree_map
 
-from planner.compiled_graph import (
-    LossProfile,
-    build_compiled_graph,
-    order_backward,
-    retained_storages,
-    saved_values,
-)
+from planner.backward_order import order_backward
+from planner.compiled_graph import LossProfile, build_compiled_graph, retained_storages, saved_values
 from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import InfeasibleBudget, PlannerError, UnsupportedModel, format_bytes
 from planner.graph_api import plan_graph

@@ -65,6 +65,7 @@ from torch import fx
 from torch._functorch.partitioners import NodeInfo, OpTypes, get_default_op_list
 from torch.utils.flop_counter import flop_registry
 
+from planner.backward_order import Kernel, least_peak_first, peak_of_order
 from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
 from planner.ir import ActivationGraph, Node, Schedule, StaticBytes
 from planner.simulate import held_storages
@@ -517,20 +518,7 @@ class _Backward:
         return tuple(kept) if any(freed for _, freed in kept) else ()
 
 
-@dataclass(frozen=True)
-class _Kernel:
-    """A backward operator that allocates a buffer: the unit the backward order is chosen over."""
-
-    node: fx.Node
-    buffer: str
-    size_bytes: int
-    reads: frozenset[str]
-    """Backward buffers and freeable inputs (saved activations, the output's gradient) it reads."""
-    gradient: bool
-    """Its buffer is a gradient the backward returns: never freed inside the backward."""
-
-
-def _kernels(reader: _JointReader) -> list[_Kernel]:
+def _kernels(reader: _JointReader) -> list[Kernel]:
     sizes = reader.storages.sizes
     gradient_storages = {
         name for node in reader.gradients if (name := reader.storages.name(node)) is not None
@@ -541,19 +529,11 @@ def _kernels(reader: _JointReader) -> list[_Kernel]:
         if buffer is None:
             continue
         reads = frozenset(read for read in reader.backward_fusion.inlined_reads[node] if read in sizes)
-        kernels.append(_Kernel(node, buffer, sizes[buffer], reads - {buffer}, buffer in gradient_storages))
+        kernels.append(Kernel(node, buffer, sizes[buffer], reads - {buffer}, buffer in gradient_storages))
     return kernels
 
 
-def _consumers(kernels: Sequence[_Kernel]) -> dict[str, list[_Kernel]]:
-    found: dict[str, list[_Kernel]] = {}
-    for kernel in kernels:
-        for read in kernel.reads:
-            found.setdefault(read, []).append(kernel)
-    return found
-
-
-def _freeable_inputs(reader: _JointReader, kernels: Sequence[_Kernel]) -> dict[str, int]:
+def _freeable_inputs(reader: _JointReader, kernels: Sequence[Kernel]) -> dict[str, int]:
     """Storages the backward receives and frees after their last reader: saved activations, tangents."""
     made = {kernel.buffer for kernel in kernels}
     return {
@@ -564,87 +544,16 @@ def _freeable_inputs(reader: _JointReader, kernels: Sequence[_Kernel]) -> dict[s
     }
 
 
-def _peak_of_order(order: Sequence[_Kernel], inputs: dict[str, int]) -> int:
-    """Peak live bytes of the backward run in `order` (inputs freed after their last reader)."""
-    remaining = {name: len(readers) for name, readers in _consumers(order).items()}
-    gradients = {kernel.buffer for kernel in order if kernel.gradient}
-    sizes = dict(inputs) | {kernel.buffer: kernel.size_bytes for kernel in order}
-    live = sum(inputs.values())
-    peak = live
-    for kernel in order:
-        live += kernel.size_bytes
-        peak = max(peak, live)
-        for read in kernel.reads:
-            remaining[read] -= 1
-            if remaining[read] == 0 and read in sizes and read not in gradients:
-                live -= sizes[read]
-        if not kernel.gradient and kernel.buffer not in remaining:
-            live -= kernel.size_bytes
-    return peak
-
-
-def _least_peak_first(kernels: Sequence[_Kernel], inputs: dict[str, int]) -> list[_Kernel]:
-    """inductor's LPMF topological order (`topological_sort_lpmf` in torch/_inductor/memory.py): while a
-    ready kernel fits under the peak so far, run the one that leaves the least memory; else the one
-    that allocates least."""
-    consumers = _consumers(kernels)
-    producer = {kernel.buffer: kernel for kernel in kernels}
-    index = {kernel.node: position for position, kernel in enumerate(kernels)}
-    sizes = dict(inputs) | {kernel.buffer: kernel.size_bytes for kernel in kernels}
-    waiting = {kernel.node: len({read for read in kernel.reads if read in producer}) for kernel in kernels}
-    outdegree = {
-        name: len(readers) + (1 if name in producer and producer[name].gradient else 0)
-        for name, readers in consumers.items()
-    }
-    to_free = {kernel.node: 0 for kernel in kernels}
-    for kernel in kernels:
-        to_free[kernel.node] += sum(
-            sizes[read] for read in kernel.reads if outdegree.get(read) == 1 and read in sizes
-        )
-        if kernel.buffer not in outdegree and not kernel.gradient:
-            to_free[kernel.node] += kernel.size_bytes
-    live = sum(inputs.values())
-    peak = max(live, sum(kernel.size_bytes for kernel in kernels if kernel.gradient))
-    ready = [kernel for kernel in kernels if waiting[kernel.node] == 0]
-    order: list[_Kernel] = []
-    while ready:
-        gap = peak - live
-        chosen = min(
-            ready,
-            key=lambda k: (
-                k.size_bytes if k.size_bytes > gap else 0,
-                k.size_bytes - to_free[k.node],
-                index[k.node],
-            ),
-        )
-        ready.remove(chosen)
-        order.append(chosen)
-        live += chosen.size_bytes
-        peak = max(peak, live)
-        live -= to_free[chosen.node]
-        for consumer in consumers.get(chosen.buffer, []):
-            waiting[consumer.node] -= 1
-            if waiting[consumer.node] == 0:
-                ready.append(consumer)
-        for read in chosen.reads:
-            outdegree[read] -= 1
-            if outdegree[read] == 1:
-                for consumer in consumers[read]:
-                    to_free[consumer.node] += sizes.get(read, 0)
-    assert len(order) == len(kernels), "the backward's kernels do not form a DAG"
-    return order
-
-
-def backward_order(reader: _JointReader) -> list[_Kernel]:
+def backward_order(reader: _JointReader) -> list[Kernel]:
     """NOTE [backward order]."""
     kernels = _kernels(reader)
     inputs = _freeable_inputs(reader, kernels)
-    memory_first = _least_peak_first(kernels, inputs)
-    return min((kernels, memory_first), key=lambda order: _peak_of_order(order, inputs))
+    memory_first = least_peak_first(kernels, inputs)
+    return min((kernels, memory_first), key=lambda order: peak_of_order(order, inputs))
 
 
 def _backward_by_group(
-    reader: _JointReader, groups: list[list[fx.Node]], order: Sequence[_Kernel]
+    reader: _JointReader, groups: list[list[fx.Node]], order: Sequence[Kernel]
 ) -> list[_Backward]:
     """Walk the backward kernel by kernel in `order` (NOTE [backward order]): the saved storages each
     group's backward reads, the backward buffers live while it runs (gradients in flight; not the
@@ -939,34 +848,3 @@ def retained_storages(graph: ActivationGraph, schedule: Schedule) -> set[str]:
         retained |= set(held_storages(graph, region))
         retained |= {name for index in region.keep for name in graph.nodes[index].creates}
     return retained
-
-
-def order_backward(backward: fx.GraphModule, kernel_order: Sequence[str]) -> fx.GraphModule:
-    """`backward` with its operators run in `kernel_order` (NOTE [backward order]): each kernel is placed
-    after what it needs, and everything else (views, values computed inside kernels, recomputed
-    forward values) just before its first user, as `reordering_to_mimic_autograd_engine` places them."""
-    graph = fx.Graph()
-    copied: dict[fx.Node, fx.Node] = {}
-    position = {node: index for index, node in enumerate(backward.graph.nodes)}
-    by_name = {node.name: node for node in backward.graph.nodes}
-
-    def place(node: fx.Node) -> None:
-        needed: set[fx.Node] = set()
-        pending = [node]
-        while pending:
-            current = pending.pop()
-            if current in copied or current in needed:
-                continue
-            needed.add(current)
-            pending += current.all_input_nodes
-        for current in sorted(needed, key=position.__getitem__):
-            copied[current] = graph.node_copy(current, copied.__getitem__)
-
-    for node in backward.graph.find_nodes(op="placeholder"):
-        place(node)
-    for name in kernel_order:
-        if name in by_name:
-            place(by_name[name])
-    for node in backward.graph.nodes:
-        place(node)
-    return fx.GraphModule(backward, graph)

@@ -39,10 +39,11 @@ logits, returned beside the loss it computes) is saved as an output of the compi
 and that reference lives until the whole backward has run: the backward can neither free it after its
 last reader nor write a gradient into its memory, as it does with other saved values (NOTE [buffer
 reuse]; AOT autograd "donates" only the others). Nor can it write into a tangent, the gradient autograd
-hands it for an output (for unused logits, zeros it makes), which autograd holds until the backward
-returns. A three-layer language model returning (loss, logits) measured one logits buffer (6 MiB, 26 %)
-above a model that let the backward reuse them; Hugging Face's GPT-2, BERT and Llama were 7-10 % under
-(BERT: exact to 4 bytes since).
+hands it for an output (for unused logits, zeros it makes), which autograd still references. (In the
+allocator traces measured, a tangent's memory came back only after the backward; the model frees it
+after its last reader, which has not yet set a measured peak.) A three-layer language model returning
+(loss, logits) measured one logits buffer (6 MiB, 26 %) above a model that let the backward reuse
+them; Hugging Face's GPT-2, BERT and Llama were 7-10 % under (BERT: exact to 4 bytes since).
 
 NOTE [random operators]: on the CPU inductor turns dropout into `inductor_random(seed)` with seeds drawn
 once per step by `inductor_seeds`. A value recomputed from the same seed is the same value, so random

@@ -46,9 +46,9 @@ AUTO_ILP_MAX_TRANSITIONS = 1500
 AUTO_ILP_MAX_NODES = 2000
 """Beyond these `auto` uses `dp`: the ILP has a constraint per point of every transition with keeps."""
 MAX_TIGHTENING = 6
+"""Times `dp` re-solves with a lower limit when the simulator finds its plan over budget."""
 RECOMPUTE_TIE_MS = 1e-9
 """Recompute times closer than this are a tie, which the lower simulated peak breaks."""
-"""Times `dp` re-solves with a lower limit when the simulator finds its plan over budget."""
 
 
 @dataclass(frozen=True)

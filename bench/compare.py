@@ -72,7 +72,7 @@ from eager runs.
 Run from the repository root (two models at a time by default, `--jobs`; see `DEFAULT_JOBS`):
 
     .venv/bin/python -m bench.compare --quick      # 2 small models, 3 rounds, fractions 1.0 and 0.0
-    .venv/bin/python -m bench.compare              # the whole zoo, 7 rounds, fractions 1.0/0.5/0.2/0.0
+    .venv/bin/python -m bench.compare              # the whole zoo, 15+ rounds, fractions 1.0/0.5/0.2/0.0
     .venv/bin/python -m bench.compare --models gpt_tiny,hf_gpt2 --out /tmp/compare.json
     .venv/bin/python -m bench.compare --device cuda    # its own files: compare_cuda.{json,md,png}
     .venv/bin/python -m bench.compare --render bench/results/compare.json    # tables and plot again
@@ -169,7 +169,11 @@ FRACTIONS = (1.0, 0.5, 0.2, 0.0)
 QUICK_FRACTIONS = (1.0, 0.0)
 NO_CHECKPOINTING_FRACTION = 1.0
 """activation_memory_budget=1.0 is the default partition: compiled no checkpointing."""
-TIMING_ROUNDS = 7
+TIMING_ROUNDS = 15
+"""Timing rounds at least, per model and mode (NOTE [timing noise] in bench/peers.py)."""
+TIMING_S = 60.0
+"""Seconds of timing per model and mode: a model whose rounds are quick gets more of them."""
+MAX_TIMING_ROUNDS = 201
 QUICK_TIMING_ROUNDS = 3
 WARMUP_STEPS = 1
 """Untimed steps per variant first: one creates Adam's state; compiled variants already ran while measured."""
@@ -205,6 +209,8 @@ class Settings:
     device: str
     fractions: tuple[float, ...]
     rounds: int
+    """Timing rounds at least; as many more as fit `timing_s` (at most `MAX_TIMING_ROUNDS`)."""
+    timing_s: float
     quick: bool
     jobs: int
     """Models benchmarked at once, each in its own process with cpu_count / jobs torch threads."""
@@ -635,7 +641,7 @@ def measured_ones(candidates: Sequence[Candidate]) -> list[Candidate]:
     return [candidate for candidate in candidates if candidate.row.error is None]
 
 
-def time_candidates(candidates: Sequence[Candidate], call: ExampleCall, *, rounds: int) -> None:
+def time_candidates(candidates: Sequence[Candidate], call: ExampleCall, settings: Settings) -> None:
     """Interleaved training steps of every distinct variant; ratios against the mode's baseline."""
     runners: dict[int, Contender] = {}
     for candidate in candidates:
@@ -647,8 +653,14 @@ def time_candidates(candidates: Sequence[Candidate], call: ExampleCall, *, round
                 kwargs=call.kwargs,
                 copy_module=candidate.row.mode is Mode.EAGER,
             )
-    log.info("  timing %d %s variants, %d rounds", len(runners), candidates[0].row.mode, rounds)
-    interleaved_step_ms(list(runners.values()), rounds=rounds, warmup_steps=WARMUP_STEPS)
+    rounds = interleaved_step_ms(
+        list(runners.values()),
+        rounds=settings.rounds,
+        warmup_steps=WARMUP_STEPS,
+        timing_s=settings.timing_s,
+        max_rounds=MAX_TIMING_ROUNDS,
+    )
+    log.info("  timed %d %s variants, %d rounds", len(runners), candidates[0].row.mode, rounds)
     baseline = runners[id(candidates[0].variant)]
     for candidate in candidates:
         runner = runners[id(candidate.variant)]
@@ -687,7 +699,7 @@ def eager_rows(
     measure_all(peers, call, reference)
     ours, failed = our_candidates(OurPlans(call, none, predicted), measured_ones(peers))
     measure_all(ours, call, reference, measured=[none, *peers])
-    time_candidates(measured_ones([none, *peers, *ours]), call, rounds=settings.rounds)
+    time_candidates(measured_ones([none, *peers, *ours]), call, settings)
     not_applicable = [peer for peer in built if isinstance(peer, Row)]
     return [candidate.row for candidate in (none, *peers, *ours)] + not_applicable + failed
 
@@ -725,7 +737,7 @@ def compiled_rows(call: ExampleCall, reference: StepRecord, settings: Settings) 
         peer.row.within_budget = respects_fraction(peer.row, none.row)
     ours, failed = our_candidates(CompiledPlans(call), measured_ones(peers))
     measure_all(ours, call, compiled_reference, measured=[none, *peers])
-    time_candidates(measured_ones([none, *peers, *ours]), call, rounds=settings.rounds)
+    time_candidates(measured_ones([none, *peers, *ours]), call, settings)
     return [candidate.row for candidate in (none, *peers, *ours)] + failed
 
 
@@ -831,6 +843,7 @@ def settings_for(arguments: argparse.Namespace) -> Settings:
         device=arguments.device,
         fractions=QUICK_FRACTIONS if arguments.quick else FRACTIONS,
         rounds=QUICK_TIMING_ROUNDS if arguments.quick else TIMING_ROUNDS,
+        timing_s=0.0 if arguments.quick else TIMING_S,
         quick=arguments.quick,
         jobs=arguments.jobs,
         compiled_only=arguments.compiled_only,
@@ -933,6 +946,7 @@ def main(argv: Sequence[str]) -> int:
         "command": [Path(sys.executable).name, *sys.argv],
         "quick": settings.quick,
         "rounds": settings.rounds,
+        "timing_s": settings.timing_s,
         "fractions": settings.fractions,
         "jobs": settings.jobs,
         "compiled_only": settings.compiled_only,

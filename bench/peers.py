@@ -13,6 +13,15 @@ gradients and buffers with the unmodified model's after one step under one seed,
 `GRADIENT_RTOL` is the benches' tolerance there), and training steps are timed in
 interleaved rounds (`interleaved_step_ms`) so that drift in the machine's speed hits every variant
 alike. A model's example call is `model(*inputs, **kwargs)`; `kwargs` may be omitted.
+
+NOTE [timing noise]: on this project's 2-core virtual machine the speed of a fixed workload drifts over
+seconds (a 100 ms matrix-multiply loop measured 74-114 ms between its 5th and 95th percentiles), while
+two steps run back to back differ by about 4 %, whatever their length (the ratio of adjacent samples of
+18 ms and of 900 ms spread alike; of 3.6 s, more). So a timing sample is one training step, the
+variants run adjacent in each round, a step-time ratio is taken within a round and summarised by the
+median over rounds, and precision comes from many rounds, not long samples: `interleaved_step_ms` runs
+as many as fit a time budget, and `median_interval` gives the median's distribution-free 95 % interval,
+which is what a verdict of "slower" is read from.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ __all__ = [
     "find_block_container",
     "fmt",
     "interleaved_step_ms",
+    "median_interval",
     "machine",
     "mib",
     "paired_ratio",
@@ -60,6 +70,8 @@ __all__ = [
 ]
 
 WARMUP_STEPS = 2
+MEDIAN_CONFIDENCE = 0.95
+"""Confidence of `median_interval`, the interval step-time verdicts are read from."""
 GRADIENT_RTOL = 1e-5
 MIN_CONTAINER_CHILDREN = 3
 MIB = 2**20
@@ -283,20 +295,53 @@ def round_order(runners: Sequence[Contender], round_index: int) -> list[Contende
 
 
 def interleaved_step_ms(
-    runners: Sequence[Contender], *, rounds: int, warmup_steps: int = WARMUP_STEPS
-) -> None:
-    """Warm up each runner, then time `rounds` rounds of one step each, in a different order each round."""
+    runners: Sequence[Contender],
+    *,
+    rounds: int,
+    warmup_steps: int = WARMUP_STEPS,
+    timing_s: float = 0.0,
+    max_rounds: int | None = None,
+) -> int:
+    """Warm up each runner, then time rounds of one step each, in a different order each round; returns
+    the rounds timed: `rounds`, or as many more as fit in `timing_s` seconds (at most `max_rounds`) at
+    the warm-up's pace (NOTE [timing noise])."""
+    round_ms = 0.0
     for runner in runners:
         for _ in range(warmup_steps):
-            training_step_ms(runner)
+            step_ms = training_step_ms(runner)
+        round_ms += step_ms if warmup_steps else 0.0
+    if timing_s > 0 and round_ms > 0:
+        rounds = max(rounds, min(max_rounds or rounds, int(timing_s * 1e3 / round_ms)))
     for round_index in range(rounds):
         for runner in round_order(runners, round_index):
             runner.step_ms.append(training_step_ms(runner))
+    return rounds
 
 
 def paired_ratio(numerator: Contender, denominator: Contender) -> float:
     """Median over rounds of the per-round step-time ratio (robust to drift between rounds)."""
     return statistics.median(a / b for a, b in zip(numerator.step_ms, denominator.step_ms, strict=True))
+
+
+def median_interval(
+    values: Sequence[float], confidence: float = MEDIAN_CONFIDENCE
+) -> tuple[float, float] | None:
+    """A distribution-free `confidence` interval for the median of `values`: the order statistics
+    x(k) and x(n+1-k) with the largest k such that P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2.
+    None for too few values to give one (n < 6 at 95 %)."""
+    ordered = sorted(values)
+    count = len(ordered)
+    tail = (1.0 - confidence) / 2
+    below = 0.0
+    k = 0
+    while k < count // 2:
+        below += math.comb(count, k) / 2**count
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    return ordered[k - 1], ordered[count - k]
 
 
 def mib(size_bytes: int | None) -> str:

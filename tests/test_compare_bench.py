@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import random
 from dataclasses import asdict
 from typing import Any
 
@@ -65,13 +67,46 @@ def context() -> dict[str, object]:
 def test_ours_matches_a_peer_only_within_its_budget_and_no_slower() -> None:
     result = fake_result()
     dp, ilp = result.rows[2], result.rows[3]
-    assert report.time_vs_peer(dp, result.rows) == pytest.approx(1.1 / 1.3)
+    assert report.time_vs_peer(dp, result.rows) == pytest.approx(1.08 / 1.2), "the median of per-round ratios"
     assert report.matches_peer(dp, result.rows) is True
     assert report.time_vs_peer(ilp, result.rows) == pytest.approx(1.1)
     assert report.matches_peer(ilp, result.rows) is False
     assert report.spread_text(dp, result.rows) == "rounds 0.85-1.07"
-    assert report.spread_text(ilp, result.rows) == "slower in all 3 rounds"
+    assert report.spread_text(ilp, result.rows) == "rounds 1.10-1.10"
     assert report.matches_peer(result.rows[1], result.rows) is None, "a peer is not judged against itself"
+
+
+def test_a_median_above_the_peer_is_slower_only_when_its_interval_is() -> None:
+    result = fake_result()
+    dp, peer = result.rows[2], result.rows[1]
+    dp.within_budget = True
+    peer.round_ratios_vs_none = [1.0] * 15
+    dp.round_ratios_vs_none = [0.97, 0.98, 0.99, 1.0, 1.01, 1.01, 1.02, 1.02, 1.02, 1.03, 1.03, 1.04, 1.05]
+    dp.round_ratios_vs_none += [1.06, 1.08]
+    assert report.time_vs_peer(dp, result.rows) == pytest.approx(1.02)
+    assert peers.median_interval(dp.round_ratios_vs_none) == (1.0, 1.04), "ranks 4 and 12 of 15"
+    assert report.spread_text(dp, result.rows) == "95 % interval 1.000-1.040 over 15 rounds"
+    assert report.matches_peer(dp, result.rows) is True, "within the noise"
+    dp.round_ratios_vs_none = [ratio + 0.01 for ratio in dp.round_ratios_vs_none]
+    assert report.matches_peer(dp, result.rows) is False, "the whole interval is above the peer"
+    counts = report.tally([result], report.Mode.EAGER, "dp")
+    assert (counts.matched, counts.slower) == (0, 1)
+
+
+def test_the_median_interval_holds_its_confidence() -> None:
+    assert peers.median_interval([1.0] * 5) is None, "five values cannot give 95 %"
+    assert peers.median_interval([float(value) for value in range(1, 7)]) == (1.0, 6.0)
+    assert peers.median_interval([float(value) for value in range(1, 102)]) == (41.0, 61.0)
+    generator = random.Random(0)
+    trials, covered = 2000, 0
+    for _ in range(trials):
+        interval = peers.median_interval([generator.gauss(0.0, 1.0) for _ in range(25)])
+        assert interval is not None
+        covered += interval[0] <= 0.0 <= interval[1]
+    exact = 1 - 2 * sum(math.comb(25, below) for below in range(8)) / 2**25  # ranks 8 and 18 of 25
+    assert exact >= 0.95
+    tolerance = 4 * math.sqrt(exact * (1 - exact) / trials)
+    assert abs(covered / trials - exact) < tolerance, (covered / trials, exact)
 
 
 def test_the_table_shows_every_row_and_the_misses_name_the_losing_one() -> None:
@@ -79,12 +114,12 @@ def test_the_table_shows_every_row_and_the_misses_name_the_losing_one() -> None:
     lines = table.splitlines()
     dp_line = next(line for line in lines if "| ours dp @ every block |" in line)
     ilp_line = next(line for line in lines if "| ours ilp @ every block |" in line)
-    assert "0.846x peer's time (rounds 0.85-1.07); matches peer: yes" in dp_line, dp_line
+    assert "0.900x peer's time (rounds 0.85-1.07); matches peer: yes" in dp_line, dp_line
     assert "| 31.00 | **no** |" in ilp_line and "matches peer: **no**" in ilp_line, ilp_line
     assert any("sqrt(n) segments | not applicable: no block container" in line for line in lines)
     misses = table[table.index("## Where ours does not match") :]
     assert "tiny (eager) ours ilp @ every block: peak 31.00 MiB against budget 30.00 MiB" in misses
-    assert "step time 1.100x the peer's (slower in all 3 rounds)" in misses
+    assert "step time 1.100x the peer's (rounds 1.10-1.10)" in misses
     assert "gradients differ from the unmodified eager model's: gradient 3 differs" in misses
     assert "ours dp" not in misses, misses
     assert "cpu, compiled" in table, "each mode has its own table, even when empty"
@@ -100,19 +135,19 @@ def test_the_summary_gives_each_peer_one_line_with_both_solvers() -> None:
 def test_the_tally_counts_matches_and_each_miss_by_its_first_reason() -> None:
     result = fake_result()
     dp = report.tally([result], report.Mode.EAGER, "dp")
-    assert (dp.comparisons, dp.matched) == (1, 1)
+    assert (dp.comparisons, dp.matched, dp.matched_by_median) == (1, 1, 1)
     ilp = report.tally([result], report.Mode.EAGER, "ilp")
-    assert (ilp.comparisons, ilp.matched, ilp.over_peak, ilp.slower_every_round) == (1, 0, 1, 0)
+    assert (ilp.comparisons, ilp.matched, ilp.over_peak, ilp.slower) == (1, 0, 1, 0)
     result.rows[1].gradients_equal = False
     result.rows[3].peak_bytes, result.rows[3].within_budget = 29 * MIB, True
     ilp = report.tally([result], report.Mode.EAGER, "ilp")
-    assert (ilp.over_peak, ilp.slower_every_round, ilp.misses_against_wrong_gradients) == (0, 1, 1)
+    assert (ilp.over_peak, ilp.slower, ilp.misses_against_wrong_gradients) == (0, 1, 1)
     del result.rows[3]
     assert report.tally([result], report.Mode.EAGER, "ilp").no_plan == 1
     assert report.tally([result], report.Mode.COMPILED, "ilp").comparisons == 0
     table = report.markdown([result], context())
-    assert "| eager | dp | 1 of 1 | 0 | 0 | 0 | 0 | 0 |" in table
-    assert "| eager | ilp | 0 of 1 | 1 | 0 | 0 | 0 | 1 |" in table
+    assert "| eager | dp | 1 of 1 | 1 | 0 | 0 | 0 | 0 |" in table
+    assert "| eager | ilp | 0 of 1 | 0 | 1 | 0 | 0 | 1 |" in table
 
 
 def test_a_result_survives_the_json_between_worker_and_parent() -> None:

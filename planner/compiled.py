@@ -225,6 +225,7 @@ def profile_loss(
         forward_workspace_bytes=max(0, forward_peak_bytes - saved_bytes),
         saved_bytes=saved_bytes,
         backward_workspace_bytes=max(0, backward_peak_bytes),
+        held_bytes=2 * loss.untyped_storage().nbytes(),
     )
 
 

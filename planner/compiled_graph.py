@@ -75,6 +75,8 @@ __all__ = ["CompiledGraph", "LossProfile", "build_compiled_graph", "SEEDS_NODE"]
 
 SEEDS_NODE = "inductor_seeds"
 LOSS_NODE = "loss"
+LOSS_HELD = "loss.held"
+"""The backward's pseudo-buffer for `LossProfile.held_bytes`."""
 LAYOUT_COPY_NODE = "channels_last_copies"
 REPLAYABLE_RANDOM = {"inductor_random", "inductor_lookup_seed"}
 """Random operators that inductor computes from a saved seed: recomputing them replays the same numbers."""
@@ -92,6 +94,10 @@ class LossProfile:
     """Bytes the loss's autograd keeps until its backward (e.g. log-softmax of the logits)."""
     backward_workspace_bytes: int
     """Peak bytes of the loss's backward: the gradient of the output and temporaries."""
+    held_bytes: int = 0
+    """Bytes live through the model's whole backward: the loss itself and the gradient autograd seeds
+    the backward with (a float32 scalar loss: 8 bytes; without them a lowest plan measured 8 bytes over
+    its prediction and could not be planned at its own lowest peak)."""
 
 
 @dataclass(frozen=True)
@@ -554,7 +560,7 @@ def backward_order(reader: _JointReader) -> list[Kernel]:
 
 
 def _backward_by_group(
-    reader: _JointReader, groups: list[list[fx.Node]], order: Sequence[Kernel]
+    reader: _JointReader, groups: list[list[fx.Node]], order: Sequence[Kernel], held_bytes: int
 ) -> list[_Backward]:
     """Walk the backward kernel by kernel in `order` (NOTE [backward order]): the saved storages each
     group's backward reads, the backward buffers live while it runs (gradients in flight; not the
@@ -570,7 +576,8 @@ def _backward_by_group(
     kernel's output the memory of an input of the same size and dtype that no later kernel reads (`#
     reuse` in its wrapper), saved activations included. The simulator holds a group's saved
     activations until the group's backward step ends; what the step's kernels free (or reuse) earlier
-    becomes the node's `backward_points` (NOTE [early release] in simulate.py).
+    becomes the node's `backward_points` (NOTE [early release] in simulate.py). `held_bytes` (the
+    loss and its seed gradient) are live throughout.
     """
     group_of_seq = {
         seq: index
@@ -581,7 +588,7 @@ def _backward_by_group(
     backward = [_Backward() for _ in groups]
     sizes = reader.storages.sizes
     last_use = {read: position for position, kernel in enumerate(order) for read in kernel.reads}
-    live = {name: sizes[name] for name in reader.tangent_storages}
+    live = {name: sizes[name] for name in reader.tangent_storages} | {LOSS_HELD: held_bytes}
     group, freed = len(groups) - 1, frozenset[str]()
     for position, kernel in enumerate(order):
         own_group = group_of_seq.get(kernel.node.meta.get("seq_nr"), group)
@@ -760,7 +767,7 @@ def build_compiled_graph(
     draws = _random_draws(reader.forward, reader.op_types)
     groups = _place_hoisted(_groups(reader.forward, draws), reader.hoisted)
     order = backward_order(reader)
-    backward = _backward_by_group(reader, groups, order)
+    backward = _backward_by_group(reader, groups, order, loss.held_bytes)
     nodes = [
         _group_node(reader, index, group, entry, spec)
         for index, (group, entry) in enumerate(zip(groups, backward, strict=True))

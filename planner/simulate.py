@@ -520,11 +520,6 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
     for index in range(last, -1, -1):
         node = graph.nodes[index]
         gradient_bytes += node.parameter_gradient_bytes
-        base = {
-            **static,
-            Component.GRADIENTS: static[Component.GRADIENTS] + gradient_bytes,
-            Component.WORKSPACE: backward_workspace(node, pending, index),
-        }
         if index in triggers:
             for name in taken_at.get(index, ()):
                 pending.remove(name)
@@ -542,7 +537,12 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
             timeline.observe(Phase.RECOMPUTE, node.name, components, trace)
             for name, at in replay.kept.items():
                 pending.add(f"{name}@replay", at, index)
-        components = {**base, Component.ACTIVATIONS: pending.total_bytes}
+        components = {
+            **static,
+            Component.GRADIENTS: static[Component.GRADIENTS] + gradient_bytes,
+            Component.WORKSPACE: backward_workspace(node, pending, index),
+            Component.ACTIVATIONS: pending.total_bytes,
+        }
         timeline.observe(Phase.BACKWARD, node.name, components, trace)
         pending.finish(index)
 

@@ -329,7 +329,6 @@ def _backward_points(
     points: list[int] = []
     recompute_ms = 0.0
     for index in range(last, region.start - 1, -1):
-        flowing = chain.gradient_bytes_from[index] + backward_workspace(graph.nodes[index], pending, index)
         if index == trigger:
             for name in cached:
                 pending.remove(name)
@@ -344,6 +343,7 @@ def _backward_points(
             for name, at in replay.kept.items():
                 pending.add(f"{name}@replay", at, index)
             recompute_ms = replay.recompute_ms
+        flowing = chain.gradient_bytes_from[index] + backward_workspace(graph.nodes[index], pending, index)
         points.append(pending.total_bytes + flowing)
         pending.finish(index)
     return points, recompute_ms + checkpoint_overhead_ms(graph, region)

@@ -303,19 +303,19 @@ def interleaved_step_ms(
     max_rounds: int | None = None,
 ) -> int:
     """Warm up each runner, then time rounds of one step each, in a different order each round; returns
-    the rounds timed: `rounds`, or as many more as fit in `timing_s` seconds (at most `max_rounds`) at
-    the warm-up's pace (NOTE [timing noise])."""
-    round_ms = 0.0
+    the rounds timed: `rounds`, and more while the rounds so far took less than `timing_s` seconds (at
+    most `max_rounds`; NOTE [timing noise])."""
     for runner in runners:
         for _ in range(warmup_steps):
-            step_ms = training_step_ms(runner)
-        round_ms += step_ms if warmup_steps else 0.0
-    if timing_s > 0 and round_ms > 0:
-        rounds = max(rounds, min(max_rounds or rounds, int(timing_s * 1e3 / round_ms)))
-    for round_index in range(rounds):
-        for runner in round_order(runners, round_index):
+            training_step_ms(runner)
+    limit = max(rounds, max_rounds or rounds)
+    started_s = time.perf_counter()
+    timed = 0
+    while timed < rounds or (timed < limit and time.perf_counter() - started_s < timing_s):
+        for runner in round_order(runners, timed):
             runner.step_ms.append(training_step_ms(runner))
-    return rounds
+        timed += 1
+    return timed
 
 
 def paired_ratio(numerator: Contender, denominator: Contender) -> float:

@@ -16,14 +16,22 @@ the eager step's in both directions. Here the planner plans the compiled step it
 3. One forward and backward on the example inputs compiles both graphs; the model's state is left as
    it was (gradients go to `torch.autograd.grad`, RNG state and buffers are restored).
 
-NOTE [graph breaks]: a model dynamo splits into several graphs whose backward is needed (data-dependent
-control flow, a log call in the forward) cannot be planned as one step: each graph would be planned
-alone under the whole budget. `optimize` refuses it (`UnsupportedModel`, with dynamo's reasons) once
-it sees a second such graph, and `plan_compiled_step` asks `torch._dynamo.explain` first. A log call is
-the common case (Hugging Face's GPT-2 warns once from its loss): while `optimize` compiles, dynamo skips
-the `logging.Logger` methods (`ignore_logger_methods`), so the message is not logged from the compiled
-step; a recompile later (another shape) runs under the caller's own dynamo settings. Shapes are static
-(`dynamic=False`): a call with other shapes recompiles, and that graph is planned on its own.
+NOTE [graph breaks]: where dynamo breaks the step's graph (data-dependent control flow, a call it
+cannot trace), part of the step runs eagerly between compiled graphs, and where the break is inside a
+module call dynamo may run the calling modules eagerly altogether (the zoo's untraceable_mlp compiles
+only the gated Linear). No joint graph then describes the step, and planning one graph alone under the
+whole budget would count none of the eager part. So `optimize` stops the compile at the first break
+(`SplitStep`: a second graph reaches the backend, or dynamo counted a break) and plans the eager step
+instead: the eager plan's `plan.module` is compiled as it is (checkpointed regions become inductor's
+recompute inside the graphs, and stay eager checkpoints outside them), its compiled peak is measured,
+and a measurement over the budget replans the eager step under the budget less the miss, as NOTE
+[checked budget] does (`_optimize_split`). Its predicted figures are the eager step's, and the summary
+says so; the measured peak is the compiled step's. `plan_compiled_step` returns that eager plan. A log
+call is the common break (Hugging Face's GPT-2 warns once from its loss) and needs none of this: while
+`optimize` compiles, dynamo skips the `logging.Logger` methods (`ignore_logger_methods`), so the message
+is not logged from the compiled step; a recompile later (another shape) runs under the caller's own
+dynamo settings. Shapes are static (`dynamic=False`): a call with other shapes recompiles, and that
+graph is planned on its own.
 
 NOTE [partitioner hook]: torch 2.13 offers two hooks. `activation_memory_budget_solver` takes a
 `CustomKnapsackSolver`, but it only chooses which of the min-cut's *banned* nodes may be recomputed,
@@ -66,19 +74,28 @@ from torch.utils._pytree import tree_map
 
 from planner.backward_order import order_backward
 from planner.compiled_graph import LossProfile, build_compiled_graph, retained_storages, saved_values
+from planner.compiled_step import (
+    ExampleStep,
+    PlanOnly,
+    SplitStep,
+    checked_peak_bytes,
+    compile_step,
+    dynamo_settings,
+    graph_breaks,
+    split_text,
+)
 from planner.cost_model import DeviceSpec, device_spec
-from planner.errors import InfeasibleBudget, PlannerError, UnsupportedModel, format_bytes
+from planner.errors import InfeasibleBudget, UnsupportedModel, format_bytes
 from planner.graph_api import plan_graph
 from planner.ir import StaticBytes, TrainingStep
 from planner.measurement import (
-    AllocatorPhases,
     LiveStorageTracker,
     OptimizerSpec,
     end_autocast_forward,
-    storage_bytes,
     tensors_in,
 )
 from planner.plan import CompiledStep, Plan
+from planner.profiling import Profile, profile
 from planner.simulate import for_training_step
 from planner.static_memory import optimizer_name, static_bytes
 
@@ -117,6 +134,8 @@ class CompiledPlanning(CustomPartitionerFn):
     request: _Request
     plans: list[Plan] = field(default_factory=list)
     planning_s: float = 0.0
+    graphs: int = 0
+    """Graphs dynamo has handed the backend: a second one means the step is split (NOTE [graph breaks])."""
     plan_only: bool = False
     """Stop the compile once the plan is made (`plan_compiled_step`): nothing is generated or compiled."""
 
@@ -152,7 +171,7 @@ class CompiledPlanning(CustomPartitionerFn):
             self.planning_s += time.perf_counter() - started
             if self.plan_only:
                 self.plans.append(plan)
-                raise _PlanOnly
+                raise PlanOnly
             return values
 
         with _substituted(partitioners, SUBSTITUTED, choose):
@@ -167,10 +186,6 @@ class CompiledPlanning(CustomPartitionerFn):
     def __deepcopy__(self, memo: dict[int, Any]) -> CompiledPlanning:
         # inductor deep-copies its config (this object among it) to write repro scripts
         return self
-
-
-class _PlanOnly(Exception):
-    """Raised by a `plan_only` partitioner once it has planned, to stop the compile there."""
 
 
 @contextlib.contextmanager
@@ -188,6 +203,9 @@ def _backend(planning: CompiledPlanning) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx
 
     def backend(graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        planning.graphs += 1
+        if planning.graphs > 1:
+            raise SplitStep(split_text(graph_breaks()))
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(
                 graph_module,
@@ -280,10 +298,15 @@ def optimize_compiled(
     started = time.perf_counter()
     call, request = _prepare(model, inputs, kwargs, budget_bytes, optimizer, step, loss_fn, solver, device)
     planning_s = 0.0
+    reasons = ""
     for attempt in range(1, MAX_ATTEMPTS + 1):
-        plan, module, spent_s = _plan_and_compile(call, request)
+        try:
+            plan, module, spent_s = _plan_and_compile(call, request)
+        except SplitStep as split:
+            reasons = split.reasons
+            break
         planning_s += spent_s
-        measured_bytes = _checked_peak_bytes(plan, module, call)
+        measured_bytes = checked_peak_bytes(plan, module, call)
         if measured_bytes is None or measured_bytes <= budget_bytes or attempt == MAX_ATTEMPTS:
             break
         lowered_bytes = lowered_budget_bytes(
@@ -304,6 +327,8 @@ def optimize_compiled(
             format_bytes(lowered_bytes),
         )
         request = dataclasses.replace(request, budget_bytes=lowered_bytes)
+    if reasons:  # outside the handler, so that no later error chains to the split
+        return _optimize_split(call, request, optimizer, reasons, started)
     plan.module = module
     plan.budget_bytes = budget_bytes
     plan.compiled = CompiledStep(
@@ -347,43 +372,92 @@ def plan_compiled_step(
 ) -> Plan:
     """The plan `optimize_compiled` would install, without compiling anything: dynamo and AOT autograd
     trace the step, the partitioner plans it and stops the compile there. `plan.module` is None, and
-    nothing is measured; the lowest and no-checkpointing peaks cost seconds, not a compile."""
+    nothing is measured; the lowest and no-checkpointing peaks cost seconds, not a compile. A step dynamo
+    splits gets the eager plan `optimize` would start from (NOTE [graph breaks])."""
     call, request = _prepare(model, inputs, kwargs, budget_bytes, optimizer, step, loss_fn, solver, device)
-    _refuse_graph_breaks(call)
+    if _splits(call):
+        plan = _eager_profile(call, optimizer, step).plan(budget_bytes=budget_bytes, solver=solver)
+        plan.module = None
+        return plan
     planning = CompiledPlanning(request, plan_only=True)
     module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), dynamic=False))
-    with _dynamo_settings():
-        _compile_step(module, call)
+    with dynamo_settings():
+        compile_step(module, call)
     return planning.plans[0]
 
 
-def _refuse_graph_breaks(call: _ExampleStep) -> None:
-    """`UnsupportedModel` naming the breaks where dynamo splits the model into several graphs (its
-    trace, without compiling: `torch._dynamo.explain`); planning stops at the first graph, so the
-    others would go unplanned."""
+def _splits(call: ExampleStep) -> bool:
+    """Whether dynamo breaks the step's graph (its trace, without compiling: `torch._dynamo.explain`)."""
     from planner.graph_build import preserved_state
 
-    with preserved_state(call.model), _dynamo_settings():
+    with preserved_state(call.model), dynamo_settings():
         explanation = torch._dynamo.explain(call.model)(*call.inputs, **call.kwargs)
-    trained = [graph for graph in explanation.graphs if _needs_backward(graph)]
-    if len(trained) > 1:
-        reasons = "; ".join(
-            sorted({str(reason.reason).splitlines()[0] for reason in explanation.break_reasons})
-        )
-        raise UnsupportedModel(
-            f"torch.compile splits the model's training step into {len(trained)} graphs ({reasons}); "
-            "planning the compiled step needs it in one graph: plan the eager model (compile=False) and "
-            "compile plan.module, or remove the breaks"
-        )
+    return explanation.graph_break_count > 0 or explanation.graph_count > 1
 
 
-def _needs_backward(graph: torch.fx.GraphModule) -> bool:
-    """Whether a graph dynamo captured takes a tensor that requires grad (AOT autograd then partitions
-    it; graphs that do not, such as mask preparation before a logging call, are compiled for inference)."""
-    return any(
-        node.op == "placeholder" and getattr(node.meta.get("example_value"), "requires_grad", False)
-        for node in graph.graph.nodes
+def _eager_profile(call: ExampleStep, optimizer: OptimizerSpec, step: TrainingStep) -> Profile:
+    """The eager step profiled, as `optimize(..., compile=False)` profiles it (NOTE [graph breaks])."""
+    return profile(
+        call.model,
+        call.inputs,
+        example_kwargs=call.kwargs,
+        optimizer=optimizer,
+        step=step,
+        loss_fn=call.loss_fn,
     )
+
+
+def _optimize_split(
+    call: ExampleStep, request: _Request, optimizer: OptimizerSpec, reasons: str, started_s: float
+) -> Plan:
+    """NOTE [graph breaks]: the eager step planned, its plan compiled as it is and measured, and planned
+    again below the budget less the miss while the measurement exceeds the budget."""
+    log.warning("torch.compile breaks this step's graph (%s): planning the eager step", reasons)
+    profiled = _eager_profile(call, optimizer, request.step)
+    planning_s = time.perf_counter() - started_s
+    planned_bytes = request.budget_bytes
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        solving_s = time.perf_counter()
+        plan = profiled.plan(budget_bytes=planned_bytes, solver=request.solver)
+        planning_s += time.perf_counter() - solving_s
+        assert plan.module is not None
+        module = cast(torch.nn.Module, torch.compile(plan.module, dynamic=False))
+        with dynamo_settings():
+            compile_step(module, call)
+        measured_bytes = checked_peak_bytes(plan, module, call)
+        if measured_bytes is None or measured_bytes <= request.budget_bytes or attempt == MAX_ATTEMPTS:
+            break
+        lowered_bytes = lowered_budget_bytes(
+            budget_bytes=request.budget_bytes,
+            predicted_bytes=plan.predicted_peak_bytes,
+            measured_bytes=measured_bytes,
+            min_peak_bytes=plan.min_peak_bytes,
+        )
+        if lowered_bytes >= planned_bytes:
+            raise InfeasibleBudget(
+                budget_bytes=request.budget_bytes,
+                min_peak_bytes=measured_bytes,
+                breakdown=plan.simulation.breakdown,
+            )
+        log.warning(
+            "the compiled eager plan measured %s over its budget of %s (predicted %s); planning under %s",
+            format_bytes(measured_bytes - request.budget_bytes),
+            format_bytes(request.budget_bytes),
+            format_bytes(plan.predicted_peak_bytes),
+            format_bytes(lowered_bytes),
+        )
+        planned_bytes = lowered_bytes
+    plan.module = module
+    plan.budget_bytes = request.budget_bytes
+    plan.compiled = CompiledStep(
+        compile_s=time.perf_counter() - started_s,
+        planning_s=planning_s,
+        measured_peak_bytes=measured_bytes,
+        planned_budget_bytes=planned_bytes,
+        attempts=attempt,
+        graph_breaks=reasons,
+    )
+    return plan
 
 
 def _prepare(
@@ -396,7 +470,7 @@ def _prepare(
     loss_fn: Callable[[Any], torch.Tensor],
     solver: str,
     device: str | DeviceSpec | None,
-) -> tuple[_ExampleStep, _Request]:
+) -> tuple[ExampleStep, _Request]:
     """The example step and the planning request: static memory probed, the loss measured."""
     targets: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
     targets += [t for t in tensors_in((inputs, kwargs)) if t.requires_grad]
@@ -414,132 +488,31 @@ def _prepare(
         optimizer=optimizer_name(optimizer),
         step=step,
     )
-    return _ExampleStep(model, inputs, kwargs, loss_fn, targets), request
+    return ExampleStep(model, inputs, kwargs, loss_fn, targets), request
 
 
 MAX_ATTEMPTS = 3
 """Compilations `optimize_compiled` makes at most (NOTE [checked budget])."""
-DYNAMO_LIMITS = {"recompile_limit": 2**10, "accumulated_recompile_limit": 2**16}
-"""Each planning compiles the model afresh (a backend of its own), which dynamo counts as a recompile
-of the model's code; planning the same model class many times must not hit its limits and fall back
-to eager, which would leave the plan uninstalled."""
-LOG_METHODS = ("debug", "info", "warning", "warning_once", "error")
-"""`logging.Logger` methods dynamo skips while `optimize` compiles (NOTE [graph breaks]); transformers
-adds `warning_once` to the class when it is imported."""
 
 
-def log_methods() -> set[Callable[..., Any]]:
-    """The `LOG_METHODS` that `logging.Logger` has now, for `ignore_logger_methods`."""
-    return {method for name in LOG_METHODS if (method := getattr(logging.Logger, name, None)) is not None}
-
-
-@contextlib.contextmanager
-def _dynamo_settings() -> Iterator[None]:
-    """DYNAMO_LIMITS, and log calls skipped rather than splitting the graph (NOTE [graph breaks])."""
-    ignored = set(torch._dynamo.config.ignore_logger_methods) | log_methods()
-    with torch._dynamo.config.patch({**DYNAMO_LIMITS, "ignore_logger_methods": ignored}):
-        yield
-
-
-@dataclass(frozen=True)
-class _ExampleStep:
-    """The example call and what its backward differentiates."""
-
-    model: torch.nn.Module
-    inputs: tuple[Any, ...]
-    kwargs: Mapping[str, Any]
-    loss_fn: Callable[[Any], torch.Tensor]
-    targets: list[torch.Tensor]
-
-    def run(self, module: torch.nn.Module, on_phase: Callable[[str], None] = lambda phase: None) -> None:
-        """One forward and backward through `module`; gradients go to `torch.autograd.grad`."""
-        loss = self.loss_fn(module(*self.inputs, **self.kwargs))
-        end_autocast_forward()
-        on_phase("forward")
-        torch.autograd.grad(loss, self.targets, allow_unused=True)
-        del loss
-        on_phase("backward")
-
-
-def _plan_and_compile(call: _ExampleStep, request: _Request) -> tuple[Plan, torch.nn.Module, float]:
+def _plan_and_compile(call: ExampleStep, request: _Request) -> tuple[Plan, torch.nn.Module, float]:
     """Compile `call.model` with a planning partitioner; its plan, the compiled module, seconds planning."""
     planning = CompiledPlanning(request)
     module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), dynamic=False))
-    with _dynamo_settings():
-        _compile_step(module, call)
-    if len(planning.plans) != 1:  # NOTE [graph breaks]
+    breaks_before = graph_breaks()
+    with dynamo_settings():
+        compile_step(module, call)
+    breaks = graph_breaks() - breaks_before
+    if breaks:
+        raise SplitStep(split_text(breaks))
+    if not planning.plans:
         raise UnsupportedModel(
-            f"torch.compile split the training step into {len(planning.plans)} graphs (graph breaks: "
-            "data-dependent control flow or calls dynamo cannot trace; torch._dynamo.explain(model)(*inputs) "
-            "lists them); planning the compiled step needs the whole step in one graph: plan the eager model "
-            "(compile=False) and compile plan.module, or remove the breaks"
+            "torch.compile made no graph of this step that needs a backward: nothing of the compiled step "
+            "trains; plan the eager model (compile=False)"
         )
     return planning.plans[0], module, planning.planning_s
-
-
-def _checked_peak_bytes(plan: Plan, module: torch.nn.Module, call: _ExampleStep) -> int | None:
-    """NOTE [checked budget]: the measured forward/backward peak with the step's resident state, or the
-    predicted peak after backward where higher; None on a device this cannot measure."""
-    from planner.graph_build import preserved_state
-
-    static = plan.graph.static
-    device = call.targets[0].device
-    with preserved_state(call.model):
-        if device.type == "cpu":
-            resident_bytes = storage_bytes([*call.model.parameters(), *call.model.buffers()])
-            resident_bytes += storage_bytes(tensors_in((call.inputs, call.kwargs)))
-            resident_bytes += static.optimizer_state_bytes + static.resident_gradient_bytes
-            with AllocatorPhases(resident_bytes) as allocator:
-                call.run(module, allocator.on_phase)
-            measured_bytes = max(allocator.peaks.values())
-        elif device.type == "cuda":
-            torch.cuda.synchronize(device)
-            before_bytes = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            call.run(module)
-            torch.cuda.synchronize(device)
-            measured_bytes = torch.cuda.max_memory_allocated(device) - before_bytes + static.resident_bytes
-        else:
-            return None
-    after_backward = [step.live_bytes for step in plan.simulation.trace if step.phase.after_backward]
-    return max([measured_bytes, *after_backward])
 
 
 def _analytic_device(tensor: torch.Tensor) -> str:
     """The roofline that prices the compiled step's operators: only the ratios of times matter."""
     return "cpu" if tensor.device.type == "cpu" else "h100"
-
-
-def _compile_step(module: torch.nn.Module, call: _ExampleStep) -> None:
-    """One forward and backward through `module`, which compiles both graphs; RNG state and buffers
-    are restored and no `.grad` is written, so the model is left as it was. A planner error raised
-    inside the compiler (an infeasible budget) is raised as itself."""
-    from planner.graph_build import preserved_state
-
-    try:
-        with preserved_state(call.model):
-            call.run(module)
-    except Exception as error:
-        if _caused_by(error, _PlanOnly):
-            return
-        cause = _planner_cause(error)
-        if cause is not None:
-            raise cause from None
-        raise
-
-
-def _planner_cause(error: BaseException) -> PlannerError | None:
-    """The planner error at the root of an exception the compiler wrapped, if there is one."""
-    cause = _caused_by(error, PlannerError)
-    return cause if isinstance(cause, PlannerError) else None
-
-
-def _caused_by(error: BaseException | None, kind: type[BaseException]) -> BaseException | None:
-    """The exception of `kind` in the chain of `error` (the compiler wraps what a backend raises)."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, kind):
-            return error
-        seen.add(id(error))
-        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
-    return None

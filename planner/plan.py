@@ -56,6 +56,10 @@ class CompiledStep:
     attempts: int
     """Compilations made: more than one when a measured peak exceeded the budget and the plan was made
     again under a lower one."""
+    graph_breaks: str = ""
+    """Why dynamo broke the step's graph, where it did: the plan was then made on the eager step and
+    compiled as it is, and only the measured peak describes the compiled step (NOTE [graph breaks] in
+    compiled.py)."""
 
 
 @dataclass

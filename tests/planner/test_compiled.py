@@ -294,3 +294,27 @@ def test_no_compiled_peer_measures_below_the_lowest_peak_we_plan() -> None:
             assert measured >= lowest, f"{name} measured {measured}, below our lowest {lowest}"
         plan = planner.optimize(model, inputs, budget_bytes=lowest, compile=True)
     assert plan.compiled is not None and plan.compiled.measured_peak_bytes == plan.predicted_peak_bytes
+
+
+def test_a_step_dynamo_splits_is_planned_eagerly_compiled_and_measured() -> None:
+    """NOTE [graph breaks]: untraceable_mlp branches on a tensor's value; dynamo runs the Sequential
+    eagerly and compiles only the gated Linear, so no joint graph describes the step. The eager plan
+    is compiled as it is, its compiled peak fits the budget (a first plan measured 252 KiB over and
+    was made again lower), and it trains as the compiled model does."""
+    model, inputs = zoo.build_model("untraceable_mlp")
+    eager = plan_compiled_step(
+        model, inputs, {}, budget_bytes=HUGE_BUDGET_BYTES, optimizer="adam", step=TrainingStep(),
+        loss_fn=default_loss, solver="dp", device=None,
+    )  # fmt: skip
+    assert eager.capture.startswith("fx") and eager.module is None, "the eager plan optimize starts from"
+    budget = eager.baseline_peak_bytes
+    plan = planner.optimize(model, inputs, budget_bytes=budget, compile=True)
+    assert plan.compiled is not None and "Data-dependent branching" in plan.compiled.graph_breaks
+    assert "breaks this step's graph" in plan.summary()
+    measured = planner.measure(plan.module, inputs).peak_bytes
+    assert measured == plan.compiled.measured_peak_bytes and measured <= budget, plan.summary()
+    model.zero_grad(set_to_none=True)
+    expected_loss, expected = _gradients(torch.compile(model), list(model.parameters()), inputs)
+    loss, gradients = _gradients(plan.module, list(model.parameters()), inputs)
+    torch.testing.assert_close(loss, expected_loss, rtol=GRADIENT_RTOL, atol=0.0)
+    assert ((gradients - expected).norm() / expected.norm()).item() <= GRADIENT_RTOL

@@ -1,0 +1,173 @@
+"""The compiled step's example call: compiled once, run, and its peak measured (compiled.py).
+
+Why it exists: planning the compiled step (compiled.py) and planning a step dynamo splits (NOTE [graph
+breaks] there) both compile the model, run one forward and backward on the example inputs to do so,
+and count the peak of that run against the budget (NOTE [checked budget]). This module holds that
+shared part: the example call, dynamo's settings while `optimize` compiles, the run that compiles and
+stops early where a partitioner asks it to, and the measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from planner.errors import PlannerError
+from planner.measurement import AllocatorPhases, end_autocast_forward, storage_bytes, tensors_in
+from planner.plan import Plan
+
+__all__ = [
+    "DYNAMO_LIMITS",
+    "LOG_METHODS",
+    "ExampleStep",
+    "PlanOnly",
+    "SplitStep",
+    "caused_by",
+    "checked_peak_bytes",
+    "compile_step",
+    "dynamo_settings",
+    "graph_breaks",
+    "log_methods",
+    "planner_cause",
+    "split_text",
+]
+
+
+class PlanOnly(Exception):
+    """Raised by a `plan_only` partitioner once it has planned, to stop the compile there."""
+
+
+class SplitStep(Exception):
+    """Raised where dynamo breaks the step's graph, to stop the compile there (NOTE [graph breaks])."""
+
+    def __init__(self, reasons: str) -> None:
+        super().__init__(reasons)
+        self.reasons = reasons
+
+
+def graph_breaks() -> Counter[str]:
+    """Graph breaks dynamo has counted in this process, by the first line of their reason."""
+    from torch._dynamo.utils import counters
+
+    found: Counter[str] = Counter()
+    for reason, count in counters["graph_break"].items():
+        found[str(reason).splitlines()[0]] += count
+    return found
+
+
+def split_text(reasons: Iterable[str]) -> str:
+    return "; ".join(sorted(set(reasons))) or "dynamo compiled the step as more than one graph"
+
+
+DYNAMO_LIMITS = {"recompile_limit": 2**10, "accumulated_recompile_limit": 2**16}
+"""Each planning compiles the model afresh (a backend of its own), which dynamo counts as a recompile
+of the model's code; planning the same model class many times must not hit its limits and fall back
+to eager, which would leave the plan uninstalled."""
+LOG_METHODS = ("debug", "info", "warning", "warning_once", "error")
+"""`logging.Logger` methods dynamo skips while `optimize` compiles (NOTE [graph breaks]); transformers
+adds `warning_once` to the class when it is imported."""
+
+
+def log_methods() -> set[Callable[..., Any]]:
+    """The `LOG_METHODS` that `logging.Logger` has now, for `ignore_logger_methods`."""
+    return {method for name in LOG_METHODS if (method := getattr(logging.Logger, name, None)) is not None}
+
+
+@contextlib.contextmanager
+def dynamo_settings() -> Iterator[None]:
+    """DYNAMO_LIMITS, and log calls skipped rather than splitting the graph (NOTE [graph breaks])."""
+    ignored = set(torch._dynamo.config.ignore_logger_methods) | log_methods()
+    with torch._dynamo.config.patch({**DYNAMO_LIMITS, "ignore_logger_methods": ignored}):
+        yield
+
+
+@dataclass(frozen=True)
+class ExampleStep:
+    """The example call and what its backward differentiates."""
+
+    model: torch.nn.Module
+    inputs: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    loss_fn: Callable[[Any], torch.Tensor]
+    targets: list[torch.Tensor]
+
+    def run(self, module: torch.nn.Module, on_phase: Callable[[str], None] = lambda phase: None) -> None:
+        """One forward and backward through `module`; gradients go to `torch.autograd.grad`."""
+        loss = self.loss_fn(module(*self.inputs, **self.kwargs))
+        end_autocast_forward()
+        on_phase("forward")
+        torch.autograd.grad(loss, self.targets, allow_unused=True)
+        del loss
+        on_phase("backward")
+
+
+def checked_peak_bytes(plan: Plan, module: torch.nn.Module, call: ExampleStep) -> int | None:
+    """NOTE [checked budget]: the measured forward/backward peak with the step's resident state, or the
+    predicted peak after backward where higher; None on a device this cannot measure."""
+    from planner.graph_build import preserved_state
+
+    static = plan.graph.static
+    device = call.targets[0].device
+    with preserved_state(call.model):
+        if device.type == "cpu":
+            resident_bytes = storage_bytes([*call.model.parameters(), *call.model.buffers()])
+            resident_bytes += storage_bytes(tensors_in((call.inputs, call.kwargs)))
+            resident_bytes += static.optimizer_state_bytes + static.resident_gradient_bytes
+            with AllocatorPhases(resident_bytes) as allocator:
+                call.run(module, allocator.on_phase)
+            measured_bytes = max(allocator.peaks.values())
+        elif device.type == "cuda":
+            torch.cuda.synchronize(device)
+            before_bytes = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            call.run(module)
+            torch.cuda.synchronize(device)
+            measured_bytes = torch.cuda.max_memory_allocated(device) - before_bytes + static.resident_bytes
+        else:
+            return None
+    after_backward = [step.live_bytes for step in plan.simulation.trace if step.phase.after_backward]
+    return max([measured_bytes, *after_backward])
+
+
+def compile_step(module: torch.nn.Module, call: ExampleStep) -> None:
+    """One forward and backward through `module`, which compiles both graphs; RNG state and buffers
+    are restored and no `.grad` is written, so the model is left as it was. A planner error raised
+    inside the compiler (an infeasible budget) is raised as itself."""
+    from planner.graph_build import preserved_state
+
+    try:
+        with preserved_state(call.model):
+            call.run(module)
+    except Exception as error:
+        if caused_by(error, PlanOnly):
+            return
+        split = caused_by(error, SplitStep)
+        if isinstance(split, SplitStep):
+            raise split from None
+        cause = planner_cause(error)
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+def planner_cause(error: BaseException) -> PlannerError | None:
+    """The planner error at the root of an exception the compiler wrapped, if there is one."""
+    cause = caused_by(error, PlannerError)
+    return cause if isinstance(cause, PlannerError) else None
+
+
+def caused_by(error: BaseException | None, kind: type[BaseException]) -> BaseException | None:
+    """The exception of `kind` in the chain of `error` (the compiler wraps what a backend raises)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return None

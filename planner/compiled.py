@@ -55,6 +55,17 @@ instead chooses the backward's order itself (the same least-peak-first heuristic
 kernels, or autograd's order when that is lower: `backward_order` in compiled_graph.py), imposes it
 on the partitioned backward, and turns inductor's reordering off for this compile, so that the order
 it predicts is the order that runs.
+
+NOTE [horizontal fusion]: inductor's scheduler also fuses kernels that read the same buffer without
+depending on each other ("horizontal" fusion), and a fused kernel runs where its earliest part would
+have. In a backward that recomputes, two checkpointed regions' recomputes read the same attention mask
+or dropout seeds, so the later region's recompute was pulled forward to the earlier one's and both were
+alive at once: GPT-2's plans measured 15 % above their prediction and were compiled again under lower
+budgets. inductor's own guard against this (`are_long_distant_nodes`, which names activation
+checkpointing as its case) only sees nodes more than 64 apart. While the planner compiles, the
+scheduler asks `_PlannedFusion`, which refuses a horizontal fusion in the backward between operators
+that the plan runs in different nodes' backward steps; fusions within one step, and vertical fusions,
+are inductor's as before.
 """
 
 from __future__ import annotations
@@ -68,8 +79,11 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from torch import fx
 from torch._functorch import partitioners
+from torch._inductor.choices import InductorChoices
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch._inductor.virtualized import V
 from torch.utils._pytree import tree_map
 
 from planner.backward_order import order_backward
@@ -136,6 +150,9 @@ class CompiledPlanning(CustomPartitionerFn):
     planning_s: float = 0.0
     graphs: int = 0
     """Graphs dynamo has handed the backend: a second one means the step is split (NOTE [graph breaks])."""
+    backward_steps: dict[str, int] = field(default_factory=dict)
+    """Each operator of the planned backward graph -> the node whose backward step runs it (NOTE
+    [horizontal fusion])."""
     plan_only: bool = False
     """Stop the compile once the plan is made (`plan_compiled_step`): nothing is generated or compiled."""
 
@@ -177,7 +194,10 @@ class CompiledPlanning(CustomPartitionerFn):
         with _substituted(partitioners, SUBSTITUTED, choose):
             forward, backward = partitioners.min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         self.plans.append(chosen["plan"])
-        return forward, order_backward(backward, chosen["compiled"].kernel_order)
+        compiled = chosen["compiled"]
+        ordered = order_backward(backward, compiled.kernel_order)
+        self.backward_steps = _node_steps(ordered, compiled.kernel_steps)
+        return forward, ordered
 
     def uuid(self) -> Any:
         """Unique to this planning: no inductor cache may hand another budget's partition back."""
@@ -186,6 +206,51 @@ class CompiledPlanning(CustomPartitionerFn):
     def __deepcopy__(self, memo: dict[int, Any]) -> CompiledPlanning:
         # inductor deep-copies its config (this object among it) to write repro scripts
         return self
+
+
+def _node_steps(backward: fx.GraphModule, kernel_steps: Mapping[str, int]) -> dict[str, int]:
+    """Each node of the ordered backward -> the step of the first kernel at or after it, which is where
+    `order_backward` put it (NOTE [horizontal fusion]); nodes after the last kernel, its step."""
+    steps: dict[str, int] = {}
+    pending: list[str] = []
+    step = None
+    for node in backward.graph.nodes:
+        pending.append(node.name)
+        if node.name in kernel_steps:
+            step = kernel_steps[node.name]
+            steps.update(dict.fromkeys(pending, step))
+            pending = []
+    if step is not None:
+        steps.update(dict.fromkeys(pending, step))
+    return steps
+
+
+class _PlannedFusion(InductorChoices):
+    """inductor's heuristics, less horizontal fusions across the plan's backward steps (NOTE
+    [horizontal fusion])."""
+
+    def __init__(self, planning: CompiledPlanning) -> None:
+        super().__init__()
+        self.planning = planning
+
+    def can_fuse_horizontal(  # type: ignore[override]  # an instance method: it reads the plan
+        self, scheduler: Any, node1: Any, node2: Any, shared_data_score: int
+    ) -> bool:
+        from torch._inductor.virtualized import V
+
+        steps = self.planning.backward_steps
+        if V.graph.is_backward and steps and len(_steps_of(node1, steps) | _steps_of(node2, steps)) > 1:
+            return False
+        return InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
+
+
+def _steps_of(node: Any, steps: Mapping[str, int]) -> set[int]:
+    """The backward steps of the FX operators a scheduler node computes (those the plan knows)."""
+    found: set[int] = set()
+    for part in node.get_nodes():
+        if part.node is not None:
+            found |= {steps[origin.name] for origin in part.node.get_origins() if origin.name in steps}
+    return found
 
 
 @contextlib.contextmanager
@@ -500,7 +565,7 @@ def _plan_and_compile(call: ExampleStep, request: _Request) -> tuple[Plan, torch
     planning = CompiledPlanning(request)
     module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), dynamic=False))
     breaks_before = graph_breaks()
-    with dynamo_settings():
+    with dynamo_settings(), V.set_choices_handler(_PlannedFusion(planning)):
         compile_step(module, call)
     breaks = graph_breaks() - breaks_before
     if breaks:

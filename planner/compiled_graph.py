@@ -126,6 +126,9 @@ class CompiledGraph:
     kernel_order: tuple[str, ...] = field(repr=False)
     """Names of the backward operators that allocate, in the order the plan runs them (NOTE
     [backward order]); `order_backward` imposes it on the partitioned backward graph."""
+    kernel_steps: dict[str, int] = field(repr=False, default_factory=dict)
+    """Backward operator name -> the graph node whose backward step it runs in (NOTE [horizontal
+    fusion] in compiled.py)."""
 
 
 def _is_primal(node: fx.Node) -> bool:
@@ -573,6 +576,8 @@ class _Backward:
     points: list[tuple[int, frozenset[str]]] = field(default_factory=list)
     """(backward buffers live, saved storages freed before) after each of its kernels (NOTE [buffer
     reuse]; a reused saved storage counts as freed)."""
+    kernels: list[str] = field(default_factory=list)
+    """Names of the backward operators that run in this node's backward step, in order."""
 
     def release_points(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
         """`Node.backward_points`: the moments that can set the peak (each holding more than every
@@ -656,6 +661,7 @@ def _backward_by_group(
         if step != group:
             group, freed = step, frozenset()
         entry = backward[group]
+        entry.kernels.append(kernel.node.name)
         if not entry.runs:
             entry.runs = True
             entry.replay_workspace_bytes = sum(live.values())
@@ -855,6 +861,7 @@ def build_compiled_graph(
         },
         backward=tuple(reader.backward),
         kernel_order=tuple(kernel.node.name for kernel in order),
+        kernel_steps={name: index for index, entry in enumerate(backward) for name in entry.kernels},
     )
 
 

@@ -236,8 +236,6 @@ class _PlannedFusion(InductorChoices):
     def can_fuse_horizontal(  # type: ignore[override]  # an instance method: it reads the plan
         self, scheduler: Any, node1: Any, node2: Any, shared_data_score: int
     ) -> bool:
-        from torch._inductor.virtualized import V
-
         steps = self.planning.backward_steps
         if V.graph.is_backward and steps and len(_steps_of(node1, steps) | _steps_of(node2, steps)) > 1:
             return False
@@ -374,23 +372,7 @@ def optimize_compiled(
         measured_bytes = checked_peak_bytes(plan, module, call)
         if measured_bytes is None or measured_bytes <= budget_bytes or attempt == MAX_ATTEMPTS:
             break
-        lowered_bytes = lowered_budget_bytes(
-            budget_bytes=budget_bytes,
-            predicted_bytes=plan.predicted_peak_bytes,
-            measured_bytes=measured_bytes,
-            min_peak_bytes=plan.min_peak_bytes,
-        )
-        if lowered_bytes >= request.budget_bytes:
-            raise InfeasibleBudget(
-                budget_bytes=budget_bytes, min_peak_bytes=measured_bytes, breakdown=plan.simulation.breakdown
-            )
-        log.warning(
-            "compiled plan measured %s over its budget of %s (predicted %s); planning again under %s",
-            format_bytes(measured_bytes - budget_bytes),
-            format_bytes(budget_bytes),
-            format_bytes(plan.predicted_peak_bytes),
-            format_bytes(lowered_bytes),
-        )
+        lowered_bytes = _replanned_budget_bytes(plan, budget_bytes, request.budget_bytes, measured_bytes)
         request = dataclasses.replace(request, budget_bytes=lowered_bytes)
     if reasons:  # outside the handler, so that no later error chains to the split
         return _optimize_split(call, request, optimizer, reasons, started)
@@ -405,6 +387,30 @@ def optimize_compiled(
     )
     log.info("planned and compiled in %.1f s (%.1f s planning)", plan.compiled.compile_s, planning_s)
     return plan
+
+
+def _replanned_budget_bytes(plan: Plan, budget_bytes: int, planned_bytes: int, measured_bytes: int) -> int:
+    """The budget to plan under next after `plan`, planned under `planned_bytes`, measured
+    `measured_bytes` over the user's `budget_bytes` (NOTE [checked budget]); `InfeasibleBudget` where
+    that is no lower, with the measurement as the lowest peak."""
+    lowered_bytes = lowered_budget_bytes(
+        budget_bytes=budget_bytes,
+        predicted_bytes=plan.predicted_peak_bytes,
+        measured_bytes=measured_bytes,
+        min_peak_bytes=plan.min_peak_bytes,
+    )
+    if lowered_bytes >= planned_bytes:
+        raise InfeasibleBudget(
+            budget_bytes=budget_bytes, min_peak_bytes=measured_bytes, breakdown=plan.simulation.breakdown
+        )
+    log.warning(
+        "compiled plan measured %s over its budget of %s (predicted %s); planning again under %s",
+        format_bytes(measured_bytes - budget_bytes),
+        format_bytes(budget_bytes),
+        format_bytes(plan.predicted_peak_bytes),
+        format_bytes(lowered_bytes),
+    )
+    return lowered_bytes
 
 
 def lowered_budget_bytes(
@@ -492,26 +498,7 @@ def _optimize_split(
         measured_bytes = checked_peak_bytes(plan, module, call)
         if measured_bytes is None or measured_bytes <= request.budget_bytes or attempt == MAX_ATTEMPTS:
             break
-        lowered_bytes = lowered_budget_bytes(
-            budget_bytes=request.budget_bytes,
-            predicted_bytes=plan.predicted_peak_bytes,
-            measured_bytes=measured_bytes,
-            min_peak_bytes=plan.min_peak_bytes,
-        )
-        if lowered_bytes >= planned_bytes:
-            raise InfeasibleBudget(
-                budget_bytes=request.budget_bytes,
-                min_peak_bytes=measured_bytes,
-                breakdown=plan.simulation.breakdown,
-            )
-        log.warning(
-            "the compiled eager plan measured %s over its budget of %s (predicted %s); planning under %s",
-            format_bytes(measured_bytes - request.budget_bytes),
-            format_bytes(request.budget_bytes),
-            format_bytes(plan.predicted_peak_bytes),
-            format_bytes(lowered_bytes),
-        )
-        planned_bytes = lowered_bytes
+        planned_bytes = _replanned_budget_bytes(plan, request.budget_bytes, planned_bytes, measured_bytes)
     plan.module = module
     plan.budget_bytes = request.budget_bytes
     plan.compiled = CompiledStep(

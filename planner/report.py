@@ -170,18 +170,18 @@ def _source_rows(plan: Plan) -> list[str]:
             f"({_timing_note(plan.graph.timing)});",
             "  measure plan.module with planner.measure for measured figures",
         ]
-    rows = [
-        "  figures are predicted by the simulator from the joint graph inductor partitions "
-        f"({_timing_note(plan.graph.timing)}),",
-        "  except the measured peak: the compiled forward and backward, run once by optimize",
-    ]
     if compiled.graph_breaks:
         rows = [
             f"  torch.compile breaks this step's graph ({compiled.graph_breaks}),",
             "  so part of it runs eagerly: the plan was made on the eager step and compiled as it is;",
             f"  figures are predicted for the eager step ({_timing_note(plan.graph.timing)}),",
-            "  except the measured peak: the compiled forward and backward, run once by optimize",
         ]
+    else:
+        rows = [
+            "  figures are predicted by the simulator from the joint graph inductor partitions "
+            f"({_timing_note(plan.graph.timing)}),",
+        ]
+    rows.append("  except the measured peak: the compiled forward and backward, run once by optimize")
     if compiled.measured_peak_bytes is not None:
         over = compiled.measured_peak_bytes - plan.budget_bytes
         rows.append(

@@ -39,7 +39,9 @@ compiled backward frees each buffer after the last kernel that reads it, so a no
 reads a saved storage first (a weight gradient from its input) and then makes its largest buffer (the
 input gradient) holds the two at different times. Such a node lists `backward_points`: its workspace
 at those moments and the saved storages freed before each. Where the schedule releases a storage at
-that node (it is not held for a later one), the simulator subtracts it there.
+that node (it is not held for a later one), the simulator subtracts it there, a storage the node's own
+replay made included (a compiled backward recomputes a value just before its first reader and frees it
+after its last; so the workspace is read once the replay's storages are pending).
 
 NOTE [early stop]: non-reentrant checkpoint stops a replay as soon as the last tensor the region's
 backward needs is saved again. Autograd saves an operator's inputs before it runs the operator and its

@@ -149,7 +149,10 @@ class CompiledPlanning(CustomPartitionerFn):
     plans: list[Plan] = field(default_factory=list)
     planning_s: float = 0.0
     graphs: int = 0
-    """Graphs dynamo has handed the backend: a second one means the step is split (NOTE [graph breaks])."""
+    """Graphs dynamo has handed the backend while `optimize` compiles the example step: a second one
+    means the step is split (NOTE [graph breaks]). A recompile later (another shape, another grad
+    mode) is planned on its own."""
+    compiling_example: bool = False
     backward_steps: dict[str, int] = field(default_factory=dict)
     """Each operator of the planned backward graph -> the node whose backward step runs it (NOTE
     [horizontal fusion])."""
@@ -266,9 +269,10 @@ def _backend(planning: CompiledPlanning) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx
 
     def backend(graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        planning.graphs += 1
-        if planning.graphs > 1:
-            raise SplitStep(split_text(graph_breaks()))
+        if planning.compiling_example:
+            planning.graphs += 1
+            if planning.graphs > 1:
+                raise SplitStep(split_text(graph_breaks()))
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(
                 graph_module,
@@ -552,8 +556,12 @@ def _plan_and_compile(call: ExampleStep, request: _Request) -> tuple[Plan, torch
     planning = CompiledPlanning(request)
     module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), dynamic=False))
     breaks_before = graph_breaks()
-    with dynamo_settings(), V.set_choices_handler(_PlannedFusion(planning)):
-        compile_step(module, call)
+    planning.compiling_example = True
+    try:
+        with dynamo_settings(), V.set_choices_handler(_PlannedFusion(planning)):
+            compile_step(module, call)
+    finally:
+        planning.compiling_example = False
     breaks = graph_breaks() - breaks_before
     if breaks:
         raise SplitStep(split_text(breaks))

@@ -374,3 +374,14 @@ def test_recomputes_of_two_regions_are_not_fused_into_one_step() -> None:
     measured = plan.compiled.measured_peak_bytes
     assert measured <= budget, plan.summary()
     assert abs(plan.predicted_peak_bytes - measured) <= PREDICTION_TOLERANCE * measured, plan.summary()
+
+
+def test_a_planned_module_recompiles_for_another_shape_and_trains() -> None:
+    """A call at another batch size recompiles (static shapes), and the new graph is planned on its own:
+    a second graph after `optimize` has compiled is no graph break (it once raised one)."""
+    model, inputs = _tiny_gpt()
+    plan = planner.optimize(model, inputs, budget_bytes=HUGE_BUDGET_BYTES, compile=True)
+    assert plan.module is not None
+    half = (inputs[0][: inputs[0].shape[0] // 2],)
+    default_loss(plan.module(*half)).backward()
+    assert all(parameter.grad is not None for parameter in model.parameters())

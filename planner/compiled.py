@@ -62,10 +62,11 @@ have. In a backward that recomputes, two checkpointed regions' recomputes read t
 or dropout seeds, so the later region's recompute was pulled forward to the earlier one's and both were
 alive at once: GPT-2's plans measured 15 % above their prediction and were compiled again under lower
 budgets. inductor's own guard against this (`are_long_distant_nodes`, which names activation
-checkpointing as its case) only sees nodes more than 64 apart. While the planner compiles, the
-scheduler asks `_PlannedFusion`, which refuses a horizontal fusion in the backward between operators
-that the plan runs in different nodes' backward steps; fusions within one step, and vertical fusions,
-are inductor's as before.
+checkpointing as its case) only sees nodes more than 64 apart. Every compile of a planned module (a
+recompile at another shape included) asks `_PlannedFusion`, which refuses a horizontal fusion in the
+backward between operators that the plan runs in different nodes' backward steps; fusions within one
+step, and vertical fusions, are inductor's as before. For it to be asked, the backward is compiled
+with the forward (`force_non_lazy_backward_lowering`), not at its first run.
 """
 
 from __future__ import annotations
@@ -273,7 +274,11 @@ def _backend(planning: CompiledPlanning) -> Callable[..., Any]:
             planning.graphs += 1
             if planning.graphs > 1:
                 raise SplitStep(split_text(graph_breaks()))
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        # the backward compiled here too, not at its first run, so that _PlannedFusion is asked
+        with (
+            torch._functorch.config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True),
+            V.set_choices_handler(_PlannedFusion(planning)),
+        ):
             return compile_fx(
                 graph_module,
                 example_inputs,
@@ -558,7 +563,7 @@ def _plan_and_compile(call: ExampleStep, request: _Request) -> tuple[Plan, torch
     breaks_before = graph_breaks()
     planning.compiling_example = True
     try:
-        with dynamo_settings(), V.set_choices_handler(_PlannedFusion(planning)):
+        with dynamo_settings():
             compile_step(module, call)
     finally:
         planning.compiling_example = False

@@ -79,6 +79,7 @@ from torch.utils.flop_counter import flop_registry
 from planner.backward_order import Kernel, least_peak_first, peak_of_order
 from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
 from planner.ir import ActivationGraph, Node, Schedule, StaticBytes
+from planner.kernel_scratch import scratch_bytes
 from planner.simulate import held_storages
 
 __all__ = ["CompiledGraph", "LossProfile", "build_compiled_graph", "SEEDS_NODE"]
@@ -422,13 +423,16 @@ def _place_hoisted(groups: list[list[fx.Node]], hoisted: Sequence[fx.Node]) -> l
     return groups
 
 
-def _layout_copies(joint: fx.GraphModule, forward: Sequence[fx.Node], storages: _Storages) -> dict[str, str]:
-    """NOTE [layout copies]: storage of each parameter or input a convolution reads that inductor
-    copies to channels-last -> the copy's storage name (sized in `storages`)."""
+def _layout_optimised(joint: fx.GraphModule) -> bool:
+    """Whether inductor runs `joint`'s convolutions in channels-last (NOTE [layout copies])."""
     from torch._inductor.graph import GraphLowering
 
-    if not GraphLowering.decide_layout_opt(joint, is_inference=False):
-        return {}
+    return bool(GraphLowering.decide_layout_opt(joint, is_inference=False))
+
+
+def _layout_copies(forward: Sequence[fx.Node], storages: _Storages) -> dict[str, str]:
+    """NOTE [layout copies]: storage of each parameter or input a convolution reads that inductor
+    copies to channels-last -> the copy's storage name (sized in `storages`)."""
     copies: dict[str, str] = {}
     for node in forward:
         if node.target is not torch.ops.aten.convolution.default:
@@ -478,7 +482,10 @@ class _JointReader:
         self.tangent_storages = {
             name for node in self.tangents if (name := self.storages.name(node)) is not None
         }
-        self.layout_copies = _layout_copies(joint, self.forward, self.storages)
+        channels_last = _layout_optimised(joint)
+        self.layout_copies = _layout_copies(self.forward, self.storages) if channels_last else {}
+        self.scratch_bytes = scratch_bytes((*self.forward, *self.backward), channels_last=channels_last)
+        """NOTE [kernel scratch]: bytes an extern kernel holds above its outputs while it runs."""
         self.saved_storages = self._activation_storages(default_saved) | set(self.layout_copies.values())
         self.output_storages = self._activation_storages(self.forward_outputs)
         self.releasable_saved = self.saved_storages - self.output_storages
@@ -684,7 +691,7 @@ def _backward_by_group(
             elif reused is not None:
                 taken = freed | {reused}
             live[kernel.buffer] = kernel.size_bytes
-        entry.points.append((sum(live.values()), taken))
+        entry.points.append((sum(live.values()) + reader.scratch_bytes.get(kernel.node, 0), taken))
         for read in dying:
             live.pop(read, None)
         freed |= {read for read in dying if read in reader.releasable_saved}
@@ -754,7 +761,7 @@ def _group_node(
         saves_anything=bool(backward.saves),
         forward_ms=forward_ms,
         backward_ms=BACKWARD_FACTOR * forward_ms if backward.runs else 0.0,
-        forward_workspace_bytes=0,
+        forward_workspace_bytes=max((reader.scratch_bytes.get(node, 0) for node in kernels), default=0),
         backward_workspace_bytes=backward.workspace_bytes,
         replay_workspace_bytes=backward.replay_workspace_bytes,
         backward_points=backward.release_points(),

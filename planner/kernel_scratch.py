@@ -10,8 +10,9 @@ NOTE [kernel scratch]: the planner runs each such operator once, outside the com
 mode, on tensors of the shapes, strides and dtype the joint graph gives it and in the layout inductor
 runs it in (channels-last for a 4-d tensor where inductor's layout optimisation is on: NOTE [layout
 copies] in compiled_graph.py), filled with ones (no random numbers are drawn), and counts the bytes
-the call held above its outputs at its peak: on the CPU from the profiler's allocator events, on CUDA
-from the allocator's peak statistic. The figure is a measurement of this machine's kernels, as the
+the call held above its outputs at its peak: on the CPU from the profiler's allocator events (not
+while a profiler of the caller's runs: a second one would end it), on CUDA from the allocator's peak
+statistic. The figure is a measurement of this machine's kernels, as the
 eager planner's workspaces are (NOTE [measured residuals] in ir.py); signatures repeat across a
 network, and each is measured once.
 """
@@ -19,6 +20,7 @@ network, and each is measured once.
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,6 +31,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["SCRATCH_OPERATORS", "scratch_bytes"]
+
+log = logging.getLogger(__name__)
 
 SCRATCH_OPERATORS = frozenset(
     {torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
@@ -44,7 +48,7 @@ def scratch_bytes(nodes: Iterable[fx.Node], *, channels_last: bool) -> dict[fx.N
     runs convolutions in channels-last (its layout optimisation decided so)."""
     measured: dict[fx.Node, int] = {}
     for node in nodes:
-        if node.target in SCRATCH_OPERATORS:
+        if node.target in SCRATCH_OPERATORS and _measurable(node):
             signature = _signature(node.args, channels_last)
             if signature is not None:
                 measured[node] = _measured_scratch_bytes(node.target, signature)
@@ -55,6 +59,16 @@ def scratch_bytes(nodes: Iterable[fx.Node], *, channels_last: bool) -> dict[fx.N
         if user.target is operator.getitem
     }
     return measured | unpacked
+
+
+def _measurable(node: fx.Node) -> bool:
+    """Whether scratch can be measured for `node`: not on the CPU while a profiler runs, which a second
+    profiler would end (its events lost); predictions then leave the scratch out, and say so."""
+    tensors = [value for value in tree_flatten(node.meta.get("val"))[0] if isinstance(value, torch.Tensor)]
+    if any(tensor.device.type != "cpu" for tensor in tensors) or not torch.autograd._profiler_enabled():
+        return True
+    log.warning("a profiler is running: %s's scratch memory is not measured, and not predicted", node.name)
+    return False
 
 
 def _signature(args: tuple[Any, ...], channels_last: bool) -> tuple[Any, ...] | None:

@@ -58,3 +58,18 @@ def test_scratch_is_measured_for_a_convolution_and_the_outputs_it_unpacks() -> N
     assert measured[call] > 0, "mkldnn's backward reorders the weight and gradient it computes with"
     assert all(measured[user] == measured[call] for user in unpacked)
     assert set(measured) == {call, *unpacked}
+
+
+def test_a_profiler_already_running_is_left_running_and_scratch_is_not_measured() -> None:
+    def forward(image: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        stride, padding, dilation, output_padding = [1, 1], [1, 1], [1, 1], [0, 0]
+        return torch.ops.aten.convolution.default(
+            image, weight, None, stride, padding, dilation, False, output_padding, 1
+        )
+
+    graph = make_fx(forward, tracing_mode="fake")(torch.randn(1, 32, 8, 8), torch.randn(48, 32, 3, 3))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        measured = scratch_bytes(graph.graph.nodes, channels_last=False)
+        torch.ones(4).sum()
+    assert measured == {}
+    assert any(event.name() == "aten::sum" for event in profile.profiler.kineto_results.events())

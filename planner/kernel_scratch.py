@@ -46,12 +46,20 @@ def scratch_bytes(nodes: Iterable[fx.Node], *, channels_last: bool) -> dict[fx.N
     """Bytes each node of `nodes` that calls a scratch operator holds above its outputs while it runs;
     the `getitem`s that unpack its outputs map to the same figure. `channels_last`: whether inductor
     runs convolutions in channels-last (its layout optimisation decided so)."""
+    calls = [node for node in nodes if node.target in SCRATCH_OPERATORS]
+    if torch.autograd._profiler_enabled() and any(_on_cpu(node) for node in calls):
+        # a second profiler would end the caller's, and its events would be lost
+        log.warning(
+            "a profiler is running: the scratch memory of %d convolution calls on the CPU is not "
+            "measured, and not predicted",
+            sum(_on_cpu(node) for node in calls),
+        )
+        calls = [node for node in calls if not _on_cpu(node)]
     measured: dict[fx.Node, int] = {}
-    for node in nodes:
-        if node.target in SCRATCH_OPERATORS and _measurable(node):
-            signature = _signature(node.args, channels_last)
-            if signature is not None:
-                measured[node] = _measured_scratch_bytes(node.target, signature)
+    for node in calls:
+        signature = _signature(node.args, channels_last)
+        if signature is not None:
+            measured[node] = _measured_scratch_bytes(node.target, signature)
     unpacked = {
         user: scratch
         for node, scratch in measured.items()
@@ -61,14 +69,9 @@ def scratch_bytes(nodes: Iterable[fx.Node], *, channels_last: bool) -> dict[fx.N
     return measured | unpacked
 
 
-def _measurable(node: fx.Node) -> bool:
-    """Whether scratch can be measured for `node`: not on the CPU while a profiler runs, which a second
-    profiler would end (its events lost); predictions then leave the scratch out, and say so."""
+def _on_cpu(node: fx.Node) -> bool:
     tensors = [value for value in tree_flatten(node.meta.get("val"))[0] if isinstance(value, torch.Tensor)]
-    if any(tensor.device.type != "cpu" for tensor in tensors) or not torch.autograd._profiler_enabled():
-        return True
-    log.warning("a profiler is running: %s's scratch memory is not measured, and not predicted", node.name)
-    return False
+    return all(tensor.device.type == "cpu" for tensor in tensors)
 
 
 def _signature(args: tuple[Any, ...], channels_last: bool) -> tuple[Any, ...] | None:
@@ -94,7 +97,7 @@ def _static(value: torch.Tensor) -> bool:
 
 
 def _channels_last_stride(value: torch.Tensor) -> tuple[int, ...]:
-    batch, channels, height, width = value.shape
+    _, channels, height, width = value.shape
     return (channels * height * width, 1, width * channels, channels)
 
 

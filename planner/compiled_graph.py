@@ -766,7 +766,7 @@ def _group_node(
         replay_workspace_bytes=backward.replay_workspace_bytes,
         backward_points=backward.release_points(),
         parameter_gradient_bytes=backward.gradient_bytes,
-        allocated_bytes=sum(sizes[name] for name in creates),
+        keep_cache_bytes=sum(sizes[name] for name in creates),
         forward_flops=flops,
         moved_bytes=moved_bytes,
         operator_count=len(kernels),
@@ -792,7 +792,7 @@ def _layout_copy_node(reader: _JointReader) -> Node:
         backward_ms=0.0,
         forward_workspace_bytes=0,
         backward_workspace_bytes=0,
-        allocated_bytes=copied_bytes,
+        keep_cache_bytes=copied_bytes,
         moved_bytes=2 * copied_bytes,
         checkpointable=False,
     )

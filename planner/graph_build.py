@@ -137,7 +137,7 @@ class _ProfilingInterpreter(fx.Interpreter):
         tracker = self.tracker
         if tracker is not None:
             record.forward_peak_bytes = tracker.peak_bytes
-            record.allocated_bytes = tracker.allocated_since_mark_bytes
+            record.keep_cache_bytes = tracker.keep_cache_since_mark_bytes
             fresh = {id(storage): storage for storage in tracker.fresh_storages()}
             made = (
                 list(fresh.values())
@@ -356,6 +356,7 @@ def _to_nodes(
     interpreter: _ProfilingInterpreter, forward_ms: dict[str, float], backward_ms: dict[str, float]
 ) -> list[Node]:
     nodes = []
+    replayed = interpreter.tracker.replayed_names if interpreter.tracker is not None else set()
     for name in interpreter.order:
         record = interpreter.records[name]
         nodes.append(
@@ -373,7 +374,8 @@ def _to_nodes(
                 forward_workspace_bytes=0,
                 backward_workspace_bytes=0,
                 parameter_gradient_bytes=record.parameter_gradient_bytes,
-                allocated_bytes=record.allocated_bytes,
+                keep_cache_bytes=record.keep_cache_bytes,
+                replayed_when_kept=tuple(name for name in record.creates if name in replayed),
                 forward_flops=record.forward_flops,
                 moved_bytes=record.moved_bytes,
                 operator_count=record.operator_count,

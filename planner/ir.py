@@ -107,9 +107,13 @@ class Node:
     backward holds its saved storages, as eager autograd does: `backward_workspace_bytes` then."""
     parameter_gradient_bytes: int = 0
     """Parameter (and input) gradient bytes that first appear during this node's backward."""
-    allocated_bytes: int = 0
-    """Every storage the node's operators allocate, freed inside the node or not: what a selective
-    checkpoint policy caches when it keeps this node (see NOTE [selective keeps] in simulate.py)."""
+    keep_cache_bytes: int = 0
+    """What a selective checkpoint policy caches when it keeps this node: every storage its operators
+    allocate, freed inside the node or not, less the outputs the policy replays (casts, scratch filled
+    in place; `saved_when_kept` in selective_cost.py). See NOTE [selective keeps] in simulate.py."""
+    replayed_when_kept: tuple[str, ...] = ()
+    """Storages among `creates` that a selective policy makes again in the replay rather than cache when
+    it keeps this node (a weight's autocast cast): they leave after their last reader as unkept ones do."""
     forward_flops: int = 0
     """FLOPs of the forward as `torch.utils.flop_counter` counts them (matmuls, convolutions)."""
     moved_bytes: int = 0

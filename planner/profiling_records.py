@@ -18,7 +18,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.measurement import LiveStorageTracker, tensors_in
-from planner.selective_cost import OperatorCounter
+from planner.selective_cost import OperatorCounter, saved_when_kept
 
 __all__ = [
     "RANDOM_FUNCTIONS",
@@ -61,7 +61,7 @@ class NodeRecord:
     unpack_live_bytes: int | None = None
     """Live bytes when the node's backward first unpacks a saved tensor (where a replay would run)."""
     parameter_gradient_bytes: int = 0
-    allocated_bytes: int = 0
+    keep_cache_bytes: int = 0
     forward_flops: int = 0
     moved_bytes: int = 0
     operator_count: int = 1
@@ -84,6 +84,13 @@ class ProfilingTracker(LiveStorageTracker):
         self.storage_bytes: dict[str, int] = {}
         self.new_since_mark: list[weakref.ref[torch.UntypedStorage]] = []
         self.allocated_since_mark_bytes = 0
+        self.keep_cache_since_mark_bytes = 0
+        """Of those, what a selective policy would cache (`saved_when_kept` operators' outputs)."""
+        self.replayed_names: set[str] = set()
+        """Activation storages made by operators a selective policy replays rather than caches (casts)."""
+        self._operator_cached: bool | None = None
+        """While an operator runs, whether a keep would cache its outputs; None outside operators."""
+        self._replayed_keys: set[int] = set()
         self.on_free: Callable[[str], None] | None = None
         """Called with a named storage's name when it is freed (set while a split call runs)."""
 
@@ -94,6 +101,19 @@ class ProfilingTracker(LiveStorageTracker):
         if fresh:
             self.new_since_mark.append(weakref.ref(storage))
             self.allocated_since_mark_bytes += storage.nbytes()
+            if self._operator_cached:
+                self.keep_cache_since_mark_bytes += storage.nbytes()
+            elif self._operator_cached is not None:
+                key = id(storage)
+                self._replayed_keys.add(key)
+                weakref.finalize(storage, self._replayed_keys.discard, key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._operator_cached = saved_when_kept(func)
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._operator_cached = None
 
     def name_of(self, tensor: torch.Tensor, *, create: bool) -> str | None:
         """Name of an activation storage (None for static ones); `create` names a new storage."""
@@ -108,6 +128,8 @@ class ProfilingTracker(LiveStorageTracker):
                 return None
             name = f"s{len(self.storage_bytes)}"
             self.names[key] = name
+            if key in self._replayed_keys:
+                self.replayed_names.add(name)
             self.storage_bytes[name] = storage.nbytes()
             weakref.finalize(storage, self._forget, key)
         return self.names[key]
@@ -122,6 +144,7 @@ class ProfilingTracker(LiveStorageTracker):
         alive = [storage for ref in self.new_since_mark if (storage := ref()) is not None]
         self.new_since_mark = []
         self.allocated_since_mark_bytes = 0
+        self.keep_cache_since_mark_bytes = 0
         return alive
 
 

@@ -44,7 +44,7 @@ NODE_NUMBERS = (
     "backward_workspace_bytes",
     "replay_workspace_bytes",
     "parameter_gradient_bytes",
-    "allocated_bytes",
+    "keep_cache_bytes",
     "forward_flops",
     "moved_bytes",
     "operator_count",

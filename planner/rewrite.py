@@ -50,6 +50,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from planner.capture import Capture
 from planner.errors import UnplannedStep, UnsupportedModel, format_bytes
 from planner.ir import ActivationGraph, Schedule, TrainingStep
+from planner.selective_cost import saved_when_kept
 from planner.shapes import CallDispatch, RegionNodes, regions_of
 
 __all__ = [
@@ -95,43 +96,11 @@ def _end_keep() -> None:
         _KEEPING.set(False)
 
 
-ALIASING_OPERATORS = frozenset({torch.ops.aten._unsafe_view.default})
-"""Operators whose output shares its input's storage although their schema does not say so."""
-
-
-UNINITIALIZED_OPERATORS = frozenset(
-    {
-        torch.ops.aten.empty.memory_format,
-        torch.ops.aten.empty_like.default,
-        torch.ops.aten.empty_strided.default,
-        torch.ops.aten.new_empty.default,
-        torch.ops.aten.new_empty_strided.default,
-    }
-)
-"""Operators whose output is only ever filled in place afterwards (dropout's mask on the CPU)."""
-
-CAST_OPERATORS = frozenset({torch.ops.aten._to_copy.default})
-"""Dtype casts: autocast serves repeated casts of a weight from its cache in forward but not in the
-replay, so a replay cannot match them one to one with cached ones; they are cheap to redo."""
-
-
 def _keep_policy(context: Any, operator: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Save what a kept node's operators allocate; replay views, which would pin their inputs if cached.
-
-    Tensors written in place after they are made (a composite's scratch: dropout inside
-    `scaled_dot_product_attention` is `empty_like`, `bernoulli_`, `div_` on the CPU) are replayed too:
-    checkpoint refuses a cached tensor that was mutated after it was saved.
-    """
-    aliasing = getattr(operator, "is_view", False) or operator in ALIASING_OPERATORS
-    schema = getattr(operator, "_schema", None)
-    scratch = (
-        operator in UNINITIALIZED_OPERATORS
-        or operator in CAST_OPERATORS
-        or (schema is not None and schema.is_mutable)
-    )
+    """Save what a kept node's operators allocate, less what `saved_when_kept` says to replay."""
     return (
         CheckpointPolicy.MUST_SAVE
-        if _KEEPING.get() and not aliasing and not scratch
+        if _KEEPING.get() and saved_when_kept(operator)
         else CheckpointPolicy.PREFER_RECOMPUTE
     )
 

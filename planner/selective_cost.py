@@ -35,12 +35,53 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["CheckpointCost", "OperatorCounter", "measure_checkpoint_cost", "measure_selective_op_overhead_ms"]
+__all__ = [
+    "CheckpointCost",
+    "OperatorCounter",
+    "measure_checkpoint_cost",
+    "measure_selective_op_overhead_ms",
+    "saved_when_kept",
+]
 
 CHAIN_BLOCKS = 4
 CHANNELS, SIDE, WIDTH = 4, 4, 8
 """Tiny tensors, so that the chain's time is dispatch and callbacks rather than arithmetic."""
 TIMED_ROUNDS = 9
+
+
+ALIASING_OPERATORS = frozenset({torch.ops.aten._unsafe_view.default})
+"""Operators whose output shares its input's storage although their schema does not say so."""
+
+UNINITIALIZED_OPERATORS = frozenset(
+    {
+        torch.ops.aten.empty.memory_format,
+        torch.ops.aten.empty_like.default,
+        torch.ops.aten.empty_strided.default,
+        torch.ops.aten.new_empty.default,
+        torch.ops.aten.new_empty_strided.default,
+    }
+)
+"""Operators whose output is only ever filled in place afterwards (dropout's mask on the CPU)."""
+
+CAST_OPERATORS = frozenset({torch.ops.aten._to_copy.default})
+"""Dtype casts: autocast serves repeated casts of a weight from its cache in forward but not in the
+replay, so a replay cannot match them one to one with cached ones; they are cheap to redo."""
+
+
+def saved_when_kept(operator: Any) -> bool:
+    """Whether the selective policy caches this operator's output when its node is kept.
+
+    Views are replayed (a cached view would pin its input), and so are casts and tensors written in
+    place after they are made (a composite's scratch: dropout inside `scaled_dot_product_attention` is
+    `empty_like`, `bernoulli_`, `div_` on the CPU), since checkpoint refuses a cached tensor that was
+    mutated after it was saved. The profiling step sizes a kept node's cache with the same test
+    (`Node.keep_cache_bytes`), so the two cannot disagree.
+    """
+    if getattr(operator, "is_view", False) or operator in ALIASING_OPERATORS:
+        return False
+    schema = getattr(operator, "_schema", None)
+    mutable = schema is not None and schema.is_mutable
+    return not (mutable or operator in UNINITIALIZED_OPERATORS or operator in CAST_OPERATORS)
 
 
 class OperatorCounter(TorchDispatchMode):

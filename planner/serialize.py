@@ -53,7 +53,9 @@ def graph_to_dict(graph: ActivationGraph) -> dict[str, Any]:
     }
 
 
-_TUPLE_FIELDS = ("inputs", "creates", "reads", "saves")
+_TUPLE_FIELDS = ("inputs", "creates", "reads", "saves", "replayed_when_kept")
+_OPTIONAL = frozenset({"replayed_when_kept"})
+"""Node fields added since `planner.graph/v1` was first written: absent from older documents."""
 
 
 def _fields_of(node: Node) -> dict[str, Any]:
@@ -67,8 +69,8 @@ def graph_from_dict(data: dict[str, Any]) -> ActivationGraph:
     nodes = tuple(
         Node(
             **{
-                **raw,
-                **{key: tuple(raw[key]) for key in _TUPLE_FIELDS},
+                **_renamed(raw),
+                **{key: tuple(raw[key]) for key in _TUPLE_FIELDS if key in raw or key not in _OPTIONAL},
                 "backward_points": tuple(
                     (int(workspace), tuple(freed)) for workspace, freed in raw.get("backward_points", ())
                 ),
@@ -88,6 +90,14 @@ def graph_from_dict(data: dict[str, Any]) -> ActivationGraph:
         checkpoint_op_ms=float(data.get("checkpoint_op_ms", 0.0)),
         step=TrainingStep(**data.get("step", {})),
     )
+
+
+_RENAMED_NODE_FIELDS = {"allocated_bytes": "keep_cache_bytes"}
+"""Node fields renamed since `planner.graph/v1` was first written: old documents still load."""
+
+
+def _renamed(raw: dict[str, Any]) -> dict[str, Any]:
+    return {_RENAMED_NODE_FIELDS.get(key, key): value for key, value in raw.items()}
 
 
 def _static_from_dict(raw: dict[str, Any]) -> StaticBytes:

@@ -55,9 +55,10 @@ The profiling step measures what is live at that unpack (`Node.replay_workspace_
 graph_build.py).
 
 NOTE [selective keeps]: a node in a CHECKPOINT region's `keep` runs under a selective checkpoint policy
-that saves its operators' outputs (MUST_SAVE). Everything those operators allocate
-(`allocated_bytes`) is cached from its forward until the replay; the replay does not run the node
-but takes its outputs from the cache, so the node adds no workspace and no recompute time there.
+that saves its operators' outputs (MUST_SAVE). What those operators allocate, less the casts and
+in-place scratch the policy replays (`keep_cache_bytes`), is cached from its forward until the
+replay; the replay does not run the node but takes its outputs from the cache, so the node adds no
+workspace and no recompute time there.
 The part of the cache that is not the node's `creates` (operator outputs it used internally) is
 freed when the replay passes the node. Tests check this against measured peaks.
 
@@ -208,12 +209,17 @@ def cache_name(graph: ActivationGraph, index: int) -> str:
     return f"{graph.nodes[index].name}#cache"
 
 
+def cached_creates(node: Node) -> tuple[str, ...]:
+    """The storages among `node.creates` that a selective policy caches when it keeps the node."""
+    return tuple(name for name in node.creates if name not in node.replayed_when_kept)
+
+
 def storage_sizes(graph: ActivationGraph) -> dict[str, int]:
     """Bytes of every storage, plus each node's cache beyond its creates (for selective keeps)."""
     sizes = dict(graph.storage_bytes)
     for index, node in enumerate(graph.nodes):
-        created = sum(graph.storage_bytes[name] for name in node.creates)
-        sizes[cache_name(graph, index)] = max(0, node.allocated_bytes - created)
+        created = sum(graph.storage_bytes[name] for name in cached_creates(node))
+        sizes[cache_name(graph, index)] = max(0, node.keep_cache_bytes - created)
     return sizes
 
 
@@ -244,7 +250,7 @@ def cached_storages(graph: ActivationGraph, region: Region) -> set[str]:
     """What the selective policy of `region` caches from forward until its replay."""
     cached: set[str] = set()
     for index in region.keep:
-        cached.update(graph.nodes[index].creates)
+        cached.update(cached_creates(graph.nodes[index]))
         cached.add(cache_name(graph, index))
     return cached
 
@@ -320,15 +326,20 @@ def replay_region(
     live = LiveBytes(sizes)
     for index in region.keep:
         live.add(cache_name(graph, index), index, region.start)
-        for name in graph.nodes[index].creates:
+        for name in cached_creates(graph.nodes[index]):
             live.add(name, leaves_after(name, region.start), region.start)
     keep = set(region.keep)
     points: list[int] = []
     recompute_ms = 0.0
     for index in range(region.start, trigger + 1):
         node = graph.nodes[index]
-        if index in keep or (index == trigger and stops_before_outputs(node)):
+        if index == trigger and stops_before_outputs(node):
             points.append(live.total_bytes)
+        elif index in keep:
+            remade = [name for name in node.replayed_when_kept if name not in live.names]
+            points.append(live.total_bytes + sum(sizes[name] for name in remade))
+            for name in remade:
+                live.add(name, leaves_after(name, index), index)
         else:
             created_bytes = sum(sizes[name] for name in node.creates if name not in live.names)
             points.append(live.total_bytes + created_bytes + node.forward_workspace_bytes)

@@ -65,7 +65,7 @@ def _block_nodes(
                 backward_ms=2 * forward_ms,
                 forward_workspace_bytes=0,
                 backward_workspace_bytes=storage_bytes[storage],
-                allocated_bytes=storage_bytes[storage],
+                keep_cache_bytes=storage_bytes[storage],
                 parameter_gradient_bytes=PARAMETER_BYTES_PER_BLOCK // length if is_matmul else 0,
             )
         )

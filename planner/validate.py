@@ -8,7 +8,8 @@ the simulator. The rules follow ir.py:
   naming a later node, or itself, is a cycle); `inputs` may also name graph inputs and constants, which
   are not nodes;
 - every storage a node creates, reads or saves is listed in `storage_bytes`, is created by exactly one
-  node, and is read only after it was created (saved at or after);
+  node, and is read only after it was created (saved at or after); the storages a node remakes in a
+  selective replay (`replayed_when_kept`) are among those it creates;
 - sizes are non-negative integers and times non-negative finite numbers;
 - the graph has at least one node, and no more than the caller's limit, and some memory to plan
   (a graph whose every size is 0 has no peak to lower).
@@ -66,6 +67,12 @@ def _storage_problems(graph: ActivationGraph) -> Iterator[GraphProblem]:
                 yield GraphProblem(
                     ("nodes", index, "creates"),
                     f"node {node.name!r} creates storage {name!r}, which storage_bytes does not list",
+                )
+        for name in node.replayed_when_kept:
+            if name not in node.creates:
+                yield GraphProblem(
+                    ("nodes", index, "replayed_when_kept"),
+                    f"node {node.name!r} lists storage {name!r} as replayed when kept but does not create it",
                 )
 
 

@@ -53,6 +53,7 @@ from planner.simulate import (
     LiveBytes,
     backward_workspace,
     cache_name,
+    cached_creates,
     cached_storages,
     checkpoint_overhead_ms,
     held_storages,
@@ -406,9 +407,10 @@ def keep_effect(chain: Chain, region: Region, index: int) -> tuple[tuple[int, ..
         region.policy is RegionPolicy.CHECKPOINT and trigger is not None and region.start <= index <= trigger
     )
     cache_bytes = chain.sizes[cache_name(graph, index)]
-    created_bytes = storage_bytes(chain, node.creates)
+    cached = cached_creates(node)
+    created_bytes = storage_bytes(chain, cached)
     released_at: dict[int, int] = {}
-    for name in node.creates:
+    for name in cached:
         read = max(chain.last_read[name], index)
         released_at[read + 1] = released_at.get(read + 1, 0) + chain.sizes[name]
     forward = [0] * (index + 1 - region.start)

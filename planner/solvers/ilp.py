@@ -88,12 +88,12 @@ def keepable(chain: Chain) -> list[int]:
         for index, node in enumerate(chain.graph.nodes)
         if node.checkpointable
         and not node.part_of  # a split call's parts run as Python code: nothing to mark (NOTE [split calls])
-        and node.allocated_bytes > 0
+        and node.keep_cache_bytes > 0
         and node.forward_ms > 0
         and not (node.random or node.stateful or node.in_place)
     ]
     candidates.sort(
-        key=lambda i: chain.graph.nodes[i].forward_ms / chain.graph.nodes[i].allocated_bytes, reverse=True
+        key=lambda i: chain.graph.nodes[i].forward_ms / chain.graph.nodes[i].keep_cache_bytes, reverse=True
     )
     return sorted(candidates[:MAX_KEEP_CANDIDATES])
 

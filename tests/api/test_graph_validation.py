@@ -50,6 +50,11 @@ def test_synthetic_graph_arguments_are_checked() -> None:
         (_replace_node(GRAPH, 3, saves=(GRAPH.nodes[7].creates[0],)), "nodes[3].saves", "before node"),
         (_replace_node(GRAPH, 3, creates=GRAPH.nodes[2].creates), "nodes[3].creates", "one creator"),
         (_replace_node(GRAPH, 3, name=GRAPH.nodes[2].name), "nodes[3].name", "repeats"),
+        (
+            _replace_node(GRAPH, 3, replayed_when_kept=GRAPH.nodes[2].creates),
+            "nodes[3].replayed_when_kept",
+            "does not create it",
+        ),
         (_replace_node(GRAPH, 3, backward_workspace_bytes=-1), "nodes[3].backward_workspace_bytes", "-1"),
         (_replace_node(GRAPH, 3, forward_ms=math.inf), "nodes[3].forward_ms", "inf"),
         (

@@ -87,8 +87,10 @@ def random_chain(rng: random.Random, length: int) -> ActivationGraph:
 
 
 def keepable_chain(rng: random.Random, length: int) -> ActivationGraph:
-    """A random chain whose nodes allocate (some beyond their outputs), so selective keeps matter."""
+    """A random chain whose nodes allocate (some beyond their outputs), so selective keeps matter; some
+    also make and save a cast a selective policy replays rather than caches (`replayed_when_kept`)."""
     graph = random_chain(rng, length)
+    storage_bytes = dict(graph.storage_bytes)
     nodes = []
     for node in graph.nodes:
         if not node.checkpointable:
@@ -96,10 +98,19 @@ def keepable_chain(rng: random.Random, length: int) -> ActivationGraph:
             continue
         created = sum(graph.storage_bytes[name] for name in node.creates)
         extra = rng.choice([0, 0, MIB // 2])
-        nodes.append(
-            dataclasses.replace(node, allocated_bytes=created + extra, forward_workspace_bytes=extra)
-        )
-    return dataclasses.replace(graph, nodes=tuple(nodes))
+        node = dataclasses.replace(node, keep_cache_bytes=created + extra, forward_workspace_bytes=extra)
+        if rng.random() < 0.4:
+            cast = f"{node.name}.cast"
+            storage_bytes[cast] = rng.choice([MIB // 4, MIB])
+            node = dataclasses.replace(
+                node,
+                creates=(*node.creates, cast),
+                saves=(*node.saves, cast),
+                replayed_when_kept=(cast,),
+                saves_anything=True,
+            )
+        nodes.append(node)
+    return dataclasses.replace(graph, nodes=tuple(nodes), storage_bytes=storage_bytes)
 
 
 def with_selective_price(

@@ -287,3 +287,18 @@ def test_the_step_travels_with_the_graph_json() -> None:
     old_document = graph_to_dict(dataclasses.replace(plan.graph, step=planner.TrainingStep()))
     del old_document["step"], old_document["static"]["accumulated_gradient_bytes"]
     assert graph_from_dict(old_document).static.accumulated_gradient_bytes == plan.graph.static.gradient_bytes
+
+
+def test_a_graph_document_from_before_the_keep_cache_fields_still_loads() -> None:
+    """`keep_cache_bytes` was called `allocated_bytes`, and `replayed_when_kept` did not exist."""
+    model, inputs = build("cnn_bn_dropout")
+    graph = planner.optimize(model, inputs, budget_bytes=2**40, cost_model="analytic", device="cpu").graph
+    old_document = graph_to_dict(graph)
+    for node in old_document["nodes"]:
+        node["allocated_bytes"] = node.pop("keep_cache_bytes")
+        del node["replayed_when_kept"]
+    loaded = graph_from_dict(old_document)
+    assert [node.keep_cache_bytes for node in loaded.nodes] == [node.keep_cache_bytes for node in graph.nodes]
+    assert loaded == dataclasses.replace(
+        graph, nodes=tuple(dataclasses.replace(node, replayed_when_kept=()) for node in graph.nodes)
+    )

@@ -38,8 +38,9 @@ podman network create "$NETWORK" >/dev/null
 mapfile -t db_arguments < <(compose run db)
 podman run -d --name compose-db --network "$NETWORK" --health-interval=disable "${db_arguments[@]}" >/dev/null
 mapfile -t health < <(compose health db)
-for _ in $(seq 1 60); do podman exec compose-db "${health[@]}" >/dev/null 2>&1 && break; sleep 1; done
-podman exec compose-db "${health[@]}" || { echo "compose-smoke: db never became healthy" >&2; exit 1; }
+# a loaded 2-core runner has taken over a minute to initialise the database
+for _ in $(seq 1 180); do podman exec compose-db "${health[@]}" >/dev/null 2>&1 && break; sleep 1; done
+podman exec compose-db "${health[@]}" || { echo "compose-smoke: db not healthy after 180 s" >&2; exit 1; }
 db_ip=$(podman inspect -f "{{(index .NetworkSettings.Networks \"$NETWORK\").IPAddress}}" compose-db)
 
 urls=()

@@ -37,6 +37,7 @@ from planner.measurement import (
     LiveStorageTracker,
     OptimizerSpec,
     end_autocast_forward,
+    start_autocast_forward,
     tensors_in,
 )
 from planner.profiling_records import RANDOM_FUNCTIONS, RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
@@ -304,6 +305,7 @@ def _profile_step(
     tracker: ProfilingTracker | None,
     split_units: Mapping[str, tuple[str, ...]],
 ) -> tuple[_ProfilingInterpreter, _BackwardClock]:
+    start_autocast_forward()  # see NOTE [autocast] in measurement.py
     interpreter = _ProfilingInterpreter(graph_module, tracker, split_units)
     clock = _BackwardClock(interpreter, tracker)
     hooks = []

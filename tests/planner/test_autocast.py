@@ -1,5 +1,5 @@
 """Plans under `torch.autocast` (bf16 on the CPU): activations are profiled in bf16, and the plan still
-fits, predicts within 5 % and trains with the original's gradients.
+fits, predicts within 2 % (`PREDICTION_TOLERANCE`) and trains with the original's gradients.
 
 Planning and measuring run inside the caller's autocast block, as a training loop's forward does;
 backward runs outside it, as PyTorch's mixed-precision recipe says (see NOTE [autocast] in
@@ -51,6 +51,8 @@ def autocast_step(module: torch.nn.Module, call: ExampleCall) -> StepRecord:
     "name",
     [
         "tied_lm",
+        "hooked_mlp",  # calls run as Python code and probed before profiling (NOTE [split calls])
+        "branching_root",
         pytest.param("hf_bert", marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")),
     ],
 )

@@ -4,7 +4,7 @@ Why it exists: the planner's promise has to hold on the models people train, not
 threads' chains. For every entry of `planner.testing.zoo_real` (Hugging Face GPT-2, BERT, Llama, T5 and ViT
 from random-weight configs; nn.TransformerEncoder/Decoder; ResNet/DenseNet/U-Net-style CNNs; keyword
 inputs with dataclass/dict/tuple outputs; in-place ops; tied weights; hooks; a root that branches on a
-tensor) and for two of them under bf16 autocast, it records:
+tensor) and for five of them under bf16 autocast (`--bf16 all`: every one), it records:
 
 - the capture path `optimize` took (`fx`, `fx (opaque: ...)`, `export`, `module`) or the `UnsupportedModel`
   reason;
@@ -23,6 +23,7 @@ It asserts nothing: a miss is a row. Run from the repository root:
 
     .venv/bin/python -m bench.coverage                        # every entry, ~3-6 min on 2 CPU cores
     .venv/bin/python -m bench.coverage --models resnet,hf_gpt2 --out /tmp/coverage.json
+    .venv/bin/python -m bench.coverage --bf16 all --out /tmp/coverage_bf16.json   # ~10 min
 
 Results: JSON at `--out` (default `bench/results/coverage.json`) and the markdown table beside it
 (`.md`; the table also goes to stdout). Writing the default results also rewrites the table docs/coverage.md
@@ -60,8 +61,10 @@ RESULTS_DIRECTORY = Path(__file__).resolve().parent / "results"
 MID_FRACTION = 0.5
 PREDICTION_TOLERANCE = 0.05
 GRADIENT_RTOL = 1e-6
-AUTOCAST_ROWS = ("tied_lm", "hf_bert")
-"""Entries also planned and trained under bf16 autocast."""
+AUTOCAST_ROWS = ("tied_lm", "hooked_mlp", "branching_root", "inplace_mlp", "hf_bert")
+"""Entries also planned and trained under bf16 autocast by default: a language model with selective
+keeps of Linears, the two whose calls run as Python code (NOTE [split calls]), in-place ops (see
+docs/limits.md) and an exported Hugging Face model."""
 MIB = 2**20
 REASON_CHARACTERS = 150
 """Characters of an UnsupportedModel message shown in the table (the JSON has all of it)."""
@@ -179,8 +182,21 @@ def other_shapes(plan: planner.Plan, call: ExampleCall, precision: str) -> tuple
     return ("; ".join(failures) or "yes"), measured
 
 
+def _fails_without_planner(call: ExampleCall, precision: str) -> str | None:
+    """Why the original model cannot run its forward under `precision` (None when it can): a row
+    for a model that fails without the planner says so rather than stopping the run."""
+    try:
+        with torch.no_grad(), _precision(precision):
+            copy.deepcopy(call.model)(*call.args, **call.kwargs)
+    except RuntimeError as error:
+        return f"fails under {precision} without the planner - {error}"
+    return None
+
+
 def cover(name: str, precision: str) -> CoverageRow:
     call = build_call(name)
+    if (failure := _fails_without_planner(call, precision)) is not None:
+        return CoverageRow(model=name, precision=precision, capture="unsupported", unsupported=failure)
     arguments = {"example_kwargs": call.kwargs}
     started = time.perf_counter()
     try:
@@ -258,18 +274,24 @@ def _half_peaks(row: CoverageRow) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", help=f"comma-separated subset of {','.join(REAL_ZOO)}")
+    parser.add_argument(
+        "--bf16",
+        default=",".join(AUTOCAST_ROWS),
+        help="comma-separated entries also planned under bf16 autocast, or 'all' (default: %(default)s)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIRECTORY / "coverage.json")
     arguments = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     names = arguments.models.split(",") if arguments.models else list(REAL_ZOO)
-    unknown = [name for name in names if name not in REAL_ZOO]
+    autocast = list(REAL_ZOO) if arguments.bf16 == "all" else [n for n in arguments.bf16.split(",") if n]
+    unknown = [name for name in (*names, *autocast) if name not in REAL_ZOO]
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {', '.join(REAL_ZOO)}")
     required = {entry.requires for name in names if (entry := REAL_ZOO[name]).requires}
     missing = {package for package in required if importlib.util.find_spec(package) is None}
     if missing:
         parser.error(f"install {sorted(missing)} for the Hugging Face entries: pip install -e '.[dev]'")
-    jobs = [(name, "fp32") for name in names] + [(name, "bf16") for name in AUTOCAST_ROWS if name in names]
+    jobs = [(name, "fp32") for name in names] + [(name, "bf16") for name in autocast if name in names]
     rows = []
     for name, precision in jobs:
         log.info("%s (%s)", name, precision)

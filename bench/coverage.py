@@ -189,7 +189,7 @@ def _fails_without_planner(call: ExampleCall, precision: str) -> str | None:
         with torch.no_grad(), _precision(precision):
             copy.deepcopy(call.model)(*call.args, **call.kwargs)
     except RuntimeError as error:
-        return f"fails under {precision} without the planner - {error}"
+        return f"the model alone: fails under {precision} without the planner - {error}"
     return None
 
 

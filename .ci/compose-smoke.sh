@@ -40,7 +40,12 @@ podman run -d --name compose-db --network "$NETWORK" --health-interval=disable "
 mapfile -t health < <(compose health db)
 # a loaded 2-core runner has taken over a minute to initialise the database
 for _ in $(seq 1 180); do podman exec compose-db "${health[@]}" >/dev/null 2>&1 && break; sleep 1; done
-podman exec compose-db "${health[@]}" || { echo "compose-smoke: db not healthy after 180 s" >&2; exit 1; }
+if ! podman exec compose-db "${health[@]}"; then
+  echo "compose-smoke: db not healthy after 180 s; its log, sockets and postmaster.pid:" >&2
+  podman logs compose-db 2>&1 | tail -40 >&2 || true
+  podman exec compose-db sh -c 'ls -la /var/run/postgresql; cat "$PGDATA/postmaster.pid"' >&2 || true
+  exit 1
+fi
 db_ip=$(podman inspect -f "{{(index .NetworkSettings.Networks \"$NETWORK\").IPAddress}}" compose-db)
 
 urls=()

@@ -36,15 +36,26 @@ podman network create "$NETWORK" >/dev/null
 
 # db first; its healthcheck decides when the replicas may start (depends_on: service_healthy)
 mapfile -t db_arguments < <(compose run db)
-podman run -d --name compose-db --network "$NETWORK" --health-interval=disable "${db_arguments[@]}" >/dev/null
 mapfile -t health < <(compose health db)
-# a loaded 2-core runner has taken over a minute to initialise the database
-for _ in $(seq 1 180); do podman exec compose-db "${health[@]}" >/dev/null 2>&1 && break; sleep 1; done
-if ! podman exec compose-db "${health[@]}"; then
-  echo "compose-smoke: db not healthy after 180 s; its log, sockets and postmaster.pid:" >&2
+db_volumes=$(compose volumes)
+start_db() {  # start the database container; wait up to $1 s for its healthcheck
+  podman run -d --name compose-db --network "$NETWORK" --health-interval=disable "${db_arguments[@]}" >/dev/null
+  for _ in $(seq 1 "$1"); do podman exec compose-db "${health[@]}" >/dev/null 2>&1 && return 0; sleep 1; done
+  podman exec compose-db "${health[@]}"
+}
+# On this project's long-lived build VM, every other run of the earlier version of this script found a
+# database that logged "ready" (postmaster.pid too) and still answered pg_isready with "rejecting
+# connections" for 3 minutes; the next run started at once. Not understood, and not seen again in six
+# runs since the healthcheck is read before the container starts; so the first wait is bounded, and
+# one fresh container and volume follow, with the evidence printed.
+if ! start_db 60; then
+  echo "compose-smoke: db not healthy after 60 s; its log, sockets and postmaster.pid:" >&2
   podman logs compose-db 2>&1 | tail -40 >&2 || true
   podman exec compose-db sh -c 'ls -la /var/run/postgresql; cat "$PGDATA/postmaster.pid"' >&2 || true
-  exit 1
+  podman rm -f compose-db >/dev/null
+  for volume in $db_volumes; do podman volume rm -f "$volume" >/dev/null 2>&1 || true; done
+  echo "compose-smoke: starting the database afresh" >&2
+  start_db 180 || { echo "compose-smoke: db not healthy after a fresh start either" >&2; exit 1; }
 fi
 db_ip=$(podman inspect -f "{{(index .NetworkSettings.Networks \"$NETWORK\").IPAddress}}" compose-db)
 

@@ -174,7 +174,8 @@ def _source_rows(plan: Plan) -> list[str]:
         rows = [
             f"  torch.compile breaks this step's graph ({compiled.graph_breaks}),",
             "  so part of it runs eagerly: the plan was made on the eager step and compiled as it is;",
-            f"  figures are predicted for the eager step ({_timing_note(plan.graph.timing)}),",
+            "  its compiled pieces save what eager autograd saves, so figures are predicted for the eager",
+            f"  step ({_timing_note(plan.graph.timing)}),",
         ]
     else:
         rows = [

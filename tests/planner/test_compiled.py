@@ -332,23 +332,27 @@ def test_no_compiled_peer_measures_below_the_lowest_peak_we_plan() -> None:
     assert plan.compiled is not None and plan.compiled.measured_peak_bytes == plan.predicted_peak_bytes
 
 
-def test_a_step_dynamo_splits_is_planned_eagerly_compiled_and_measured() -> None:
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_a_step_dynamo_splits_is_planned_eagerly_compiled_and_measured(fraction: float) -> None:
     """NOTE [graph breaks]: untraceable_mlp branches on a tensor's value; dynamo runs the Sequential
     eagerly and compiles only the gated Linear, so no joint graph describes the step. The eager plan
-    is compiled as it is, its compiled peak fits the budget (a first plan measured 252 KiB over and
-    was made again lower), and it trains as the compiled model does."""
+    is compiled as it is, with its compiled pieces saving what eager autograd saves, so the compiled
+    peak is the eager prediction within a few bytes (inductor's own partition saved a 128 KiB ReLU
+    mask beside the output the next Linear keeps: plans measured up to 252 KiB over and were made
+    again); the plan fits the budget and trains as the compiled model does."""
     model, inputs = zoo.build_model("untraceable_mlp")
     eager = plan_compiled_step(
         model, inputs, {}, budget_bytes=HUGE_BUDGET_BYTES, optimizer="adam", step=TrainingStep(),
         loss_fn=default_loss, solver="dp", device=None,
     )  # fmt: skip
     assert eager.capture.startswith("fx") and eager.module is None, "the eager plan optimize starts from"
-    budget = eager.baseline_peak_bytes
+    budget = round(eager.min_peak_bytes + fraction * (eager.baseline_peak_bytes - eager.min_peak_bytes))
     plan = planner.optimize(model, inputs, budget_bytes=budget, compile=True)
     assert plan.compiled is not None and "Data-dependent branching" in plan.compiled.graph_breaks
     assert "breaks this step's graph" in plan.summary()
     measured = planner.measure(plan.module, inputs).peak_bytes
     assert measured == plan.compiled.measured_peak_bytes and measured <= budget, plan.summary()
+    assert abs(measured - plan.predicted_peak_bytes) <= 4096, plan.summary()
     model.zero_grad(set_to_none=True)
     expected_loss, expected = _gradients(torch.compile(model), list(model.parameters()), inputs)
     loss, gradients = _gradients(plan.module, list(model.parameters()), inputs)

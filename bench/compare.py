@@ -66,7 +66,7 @@ NOTE [log calls]: a log call inside a compiled forward splits the graph (dynamo 
 `logging`), and Hugging Face's GPT-2 logs a one-time warning when it computes its loss
 (`loss_type=None`). Every compiled variant is compiled with dynamo's `ignore_logger_methods` set to the
 logging methods, so that the step is one graph for the peers and for our plans alike (planning the
-compiled step needs one graph: NOTE [graph breaks] in planner/compiled.py); the warning then shows only
+compiled step needs one graph: NOTE [graph breaks] in planner/compiled_split.py); the warning then shows only
 from eager runs.
 
 Run from the repository root (two models at a time by default, `--jobs`; see `DEFAULT_JOBS`):

@@ -16,28 +16,7 @@ the eager step's in both directions. Here the planner plans the compiled step it
 3. One forward and backward on the example inputs compiles both graphs; the model's state is left as
    it was (gradients go to `torch.autograd.grad`, RNG state and buffers are restored).
 
-NOTE [graph breaks]: where dynamo breaks the step's graph (data-dependent control flow, a call it
-cannot trace), part of the step runs eagerly between compiled graphs, and where the break is inside a
-module call dynamo may run the calling modules eagerly altogether (the zoo's untraceable_mlp compiles
-only the gated Linear). No joint graph then describes the step, and planning one graph alone under the
-whole budget would count none of the eager part. So `optimize` stops the compile at the first break
-(`SplitStep`: a second graph reaches the backend, or dynamo counted a break) and plans the eager step
-instead: the eager plan's `plan.module` is compiled as it is (checkpointed regions become inductor's
-recompute inside the graphs, and stay eager checkpoints outside them), its compiled peak is measured,
-and a measurement over the budget replans the eager step under the budget less the miss, as NOTE
-[checked budget] does (`_optimize_split`). Its compiled pieces are partitioned as eager autograd saves
-(torch's `default_partition`, `_EagerSaving`), not by inductor's min-cut, which chooses within its own
-graph and cannot see what the eager code around it keeps alive: untraceable_mlp's gated Linear saved a
-128 KiB ReLU mask beside the ReLU output that the next Linear (eager) keeps anyway, and its plans
-measured up to 252 KiB above their prediction, so most were compiled twice. Saving as eager does, the
-eager prediction holds for the compiled step (within 1 KiB on untraceable_mlp, at every budget in
-tests/planner/test_compiled.py). Its predicted figures are the eager step's, and the summary says so;
-the measured peak is the compiled step's. `plan_compiled_step` returns that eager plan. A log
-call is the common break (Hugging Face's GPT-2 warns once from its loss) and needs none of this: while
-`optimize` compiles, dynamo skips the `logging.Logger` methods (`ignore_logger_methods`), so the message
-is not logged from the compiled step; a recompile later (another shape) runs under the caller's own
-dynamo settings. Shapes are static (`dynamic=False`): a call with other shapes recompiles, and that
-graph is planned on its own.
+A step dynamo splits has no one joint graph: compiled_split.py plans it (NOTE [graph breaks] there).
 
 NOTE [partitioner hook]: torch 2.13 offers two hooks. `activation_memory_budget_solver` takes a
 `CustomKnapsackSolver`, but it only chooses which of the min-cut's *banned* nodes may be recomputed,
@@ -107,7 +86,9 @@ from torch.utils._pytree import tree_map
 
 from planner.backward_order import order_backward
 from planner.compiled_graph import LossProfile, build_compiled_graph, retained_storages, saved_values
+from planner.compiled_split import SplitPlanning, eager_profile, optimize_split, splits
 from planner.compiled_step import (
+    MAX_ATTEMPTS,
     ExampleStep,
     PlanOnly,
     SplitStep,
@@ -115,10 +96,11 @@ from planner.compiled_step import (
     compile_step,
     dynamo_settings,
     graph_breaks,
+    replanned_budget_bytes,
     split_text,
 )
 from planner.cost_model import DeviceSpec, device_spec
-from planner.errors import InfeasibleBudget, UnsupportedModel, format_bytes
+from planner.errors import UnsupportedModel
 from planner.graph_api import plan_graph
 from planner.ir import StaticBytes, TrainingStep
 from planner.measurement import (
@@ -128,7 +110,6 @@ from planner.measurement import (
     tensors_in,
 )
 from planner.plan import CompiledStep, Plan
-from planner.profiling import Profile, profile
 from planner.simulate import for_training_step
 from planner.static_memory import optimizer_name, static_bytes
 
@@ -419,10 +400,11 @@ def optimize_compiled(
         measured_bytes = checked_peak_bytes(plan, module, call)
         if measured_bytes is None or measured_bytes <= budget_bytes or attempt == MAX_ATTEMPTS:
             break
-        lowered_bytes = _replanned_budget_bytes(plan, budget_bytes, request.budget_bytes, measured_bytes)
+        lowered_bytes = replanned_budget_bytes(plan, budget_bytes, request.budget_bytes, measured_bytes)
         request = dataclasses.replace(request, budget_bytes=lowered_bytes)
     if reasons:  # outside the handler, so that no later error chains to the split
-        return _optimize_split(call, request, optimizer, reasons, started)
+        eager = SplitPlanning(request.budget_bytes, request.solver, optimizer, request.step)
+        return optimize_split(call, eager, reasons, started)
     plan.module = module
     plan.budget_bytes = budget_bytes
     plan.compiled = CompiledStep(
@@ -434,46 +416,6 @@ def optimize_compiled(
     )
     log.info("planned and compiled in %.1f s (%.1f s planning)", plan.compiled.compile_s, planning_s)
     return plan
-
-
-def _replanned_budget_bytes(plan: Plan, budget_bytes: int, planned_bytes: int, measured_bytes: int) -> int:
-    """The budget to plan under next after `plan`, planned under `planned_bytes`, measured
-    `measured_bytes` over the user's `budget_bytes` (NOTE [checked budget]); `InfeasibleBudget` where
-    that is no lower, with the measurement as the lowest peak."""
-    lowered_bytes = lowered_budget_bytes(
-        budget_bytes=budget_bytes,
-        predicted_bytes=plan.predicted_peak_bytes,
-        measured_bytes=measured_bytes,
-        min_peak_bytes=plan.min_peak_bytes,
-    )
-    if lowered_bytes >= planned_bytes:
-        raise InfeasibleBudget(
-            budget_bytes=budget_bytes, min_peak_bytes=measured_bytes, breakdown=plan.simulation.breakdown
-        )
-    log.warning(
-        "compiled plan measured %s over its budget of %s (predicted %s); planning again under %s",
-        format_bytes(measured_bytes - budget_bytes),
-        format_bytes(budget_bytes),
-        format_bytes(plan.predicted_peak_bytes),
-        format_bytes(lowered_bytes),
-    )
-    return lowered_bytes
-
-
-def lowered_budget_bytes(
-    *, budget_bytes: int, predicted_bytes: int, measured_bytes: int, min_peak_bytes: int
-) -> int:
-    """The budget to plan under after a compiled plan predicted at `predicted_bytes` measured
-    `measured_bytes`, over `budget_bytes` (NOTE [checked budget]).
-
-    The model missed `measured_bytes - predicted_bytes`; a plan predicted within the budget less that
-    miss measures within the budget where the miss stays the same. (Lowering the planned budget by the
-    excess alone lets the solver pick the same schedule again where it had bytes to spare: a BERT plan
-    predicted at 4.15 MiB under 4.18 MiB measured 4.53 MiB, 5.4 KiB over its 4.52 MiB budget, twice.)
-    Since a plan is predicted within its planned budget, this is never above the planned budget less the
-    excess. Never below the lowest peak.
-    """
-    return max(min_peak_bytes, budget_bytes - (measured_bytes - predicted_bytes))
 
 
 def plan_compiled_step(
@@ -493,8 +435,8 @@ def plan_compiled_step(
     nothing is measured; the lowest and no-checkpointing peaks cost seconds, not a compile. A step dynamo
     splits gets the eager plan `optimize` would start from (NOTE [graph breaks])."""
     call, request = _prepare(model, inputs, kwargs, budget_bytes, optimizer, step, loss_fn, solver, device)
-    if _splits(call):
-        plan = _eager_profile(call, optimizer, step).plan(budget_bytes=budget_bytes, solver=solver)
+    if splits(call):
+        plan = eager_profile(call, optimizer, step).plan(budget_bytes=budget_bytes, solver=solver)
         plan.module = None
         return plan
     planning = CompiledPlanning(request, plan_only=True)
@@ -502,93 +444,6 @@ def plan_compiled_step(
     with dynamo_settings():
         compile_step(module, call)
     return planning.plans[0]
-
-
-def _splits(call: ExampleStep) -> bool:
-    """Whether dynamo breaks the step's graph (its trace, without compiling: `torch._dynamo.explain`)."""
-    from planner.graph_build import preserved_state
-
-    with preserved_state(call.model), dynamo_settings():
-        explanation = torch._dynamo.explain(call.model)(*call.inputs, **call.kwargs)
-    return explanation.graph_break_count > 0 or explanation.graph_count > 1
-
-
-def _eager_profile(call: ExampleStep, optimizer: OptimizerSpec, step: TrainingStep) -> Profile:
-    """The eager step profiled, as `optimize(..., compile=False)` profiles it (NOTE [graph breaks])."""
-    return profile(
-        call.model,
-        call.inputs,
-        example_kwargs=call.kwargs,
-        optimizer=optimizer,
-        step=step,
-        loss_fn=call.loss_fn,
-    )
-
-
-def _optimize_split(
-    call: ExampleStep, request: _Request, optimizer: OptimizerSpec, reasons: str, started_s: float
-) -> Plan:
-    """NOTE [graph breaks]: the eager step planned, its plan compiled as it is and measured, and planned
-    again below the budget less the miss while the measurement exceeds the budget."""
-    log.warning("torch.compile breaks this step's graph (%s): planning the eager step", reasons)
-    profiled = _eager_profile(call, optimizer, request.step)
-    planning_s = time.perf_counter() - started_s
-    planned_bytes = request.budget_bytes
-    for attempt in range(1, MAX_ATTEMPTS + 1):
-        solving_s = time.perf_counter()
-        plan = profiled.plan(budget_bytes=planned_bytes, solver=request.solver)
-        planning_s += time.perf_counter() - solving_s
-        assert plan.module is not None
-        module = _compiled_pieces(plan.module, call)
-        measured_bytes = checked_peak_bytes(plan, module, call)
-        if measured_bytes is None or measured_bytes <= request.budget_bytes or attempt == MAX_ATTEMPTS:
-            break
-        planned_bytes = _replanned_budget_bytes(plan, request.budget_bytes, planned_bytes, measured_bytes)
-    plan.module = module
-    plan.budget_bytes = request.budget_bytes
-    plan.compiled = CompiledStep(
-        compile_s=time.perf_counter() - started_s,
-        planning_s=planning_s,
-        measured_peak_bytes=measured_bytes,
-        planned_budget_bytes=planned_bytes,
-        attempts=attempt,
-        graph_breaks=reasons,
-    )
-    return plan
-
-
-class _EagerSaving(CustomPartitionerFn):
-    """The partition of a split step's compiled pieces: each saves what eager autograd saves (torch's
-    `default_partition`), so that the eager plan's prediction holds for them (NOTE [graph breaks])."""
-
-    def __call__(
-        self, gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any
-    ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        return partitioners.default_partition(
-            gm,
-            joint_inputs,
-            num_fwd_outputs=kwargs["num_fwd_outputs"],
-            static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
-        )
-
-    def uuid(self) -> Any:
-        """One decision, the same for every graph: the FX-graph cache may hand it back."""
-        return "planner.compiled:eager-saving"
-
-
-def _compiled_pieces(module: torch.nn.Module, call: ExampleStep) -> torch.nn.Module:
-    """`module` compiled with inductor, its pieces partitioned as eager autograd saves (`_EagerSaving`)
-    and without inductor's buffer pool (NOTE [buffer pool]); the example step compiles it."""
-    from torch._inductor.compile_fx import compile_fx
-
-    def backend(graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        patches = {"allow_buffer_reuse": False, "custom_partitioner_fn": _EagerSaving()}
-        return compile_fx(graph_module, example_inputs, config_patches=patches)
-
-    compiled = cast(torch.nn.Module, torch.compile(module, backend=backend, dynamic=False))
-    with dynamo_settings():
-        compile_step(compiled, call)
-    return compiled
 
 
 def _prepare(
@@ -620,10 +475,6 @@ def _prepare(
         step=step,
     )
     return ExampleStep(model, inputs, kwargs, loss_fn, targets), request
-
-
-MAX_ATTEMPTS = 3
-"""Compilations `optimize_compiled` makes at most (NOTE [checked budget])."""
 
 
 def _plan_and_compile(call: ExampleStep, request: _Request) -> tuple[Plan, torch.nn.Module, float]:

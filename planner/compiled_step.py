@@ -1,10 +1,11 @@
 """The compiled step's example call: compiled once, run, and its peak measured (compiled.py).
 
 Why it exists: planning the compiled step (compiled.py) and planning a step dynamo splits (NOTE [graph
-breaks] there) both compile the model, run one forward and backward on the example inputs to do so,
-and count the peak of that run against the budget (NOTE [checked budget]). This module holds that
-shared part: the example call, dynamo's settings while `optimize` compiles, the run that compiles and
-stops early where a partitioner asks it to, and the measurement.
+breaks] in compiled_split.py) both compile the model, run one forward and backward on the example
+inputs to do so, and count the peak of that run against the budget (NOTE [checked budget]). This
+module holds that shared part: the example call, dynamo's settings while `optimize` compiles, the run
+that compiles and stops early where a partitioner asks it to, the measurement, and the lower budget
+a plan measured over its budget is planned again under.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from typing import Any
 
 import torch
 
-from planner.errors import PlannerError
+from planner.errors import InfeasibleBudget, PlannerError, format_bytes
 from planner.measurement import AllocatorPhases, end_autocast_forward, storage_bytes, tensors_in
 from planner.plan import Plan
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DYNAMO_LIMITS",
     "LOG_METHODS",
+    "MAX_ATTEMPTS",
     "ExampleStep",
     "PlanOnly",
     "SplitStep",
@@ -34,7 +38,9 @@ __all__ = [
     "dynamo_settings",
     "graph_breaks",
     "log_methods",
+    "lowered_budget_bytes",
     "planner_cause",
+    "replanned_budget_bytes",
     "split_text",
 ]
 
@@ -171,3 +177,47 @@ def caused_by(error: BaseException | None, kind: type[BaseException]) -> BaseExc
         seen.add(id(error))
         error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
     return None
+
+
+MAX_ATTEMPTS = 3
+"""Compilations `optimize_compiled` makes at most (NOTE [checked budget])."""
+
+
+def replanned_budget_bytes(plan: Plan, budget_bytes: int, planned_bytes: int, measured_bytes: int) -> int:
+    """The budget to plan under next after `plan`, planned under `planned_bytes`, measured
+    `measured_bytes` over the user's `budget_bytes` (NOTE [checked budget]); `InfeasibleBudget` where
+    that is no lower, with the measurement as the lowest peak."""
+    lowered_bytes = lowered_budget_bytes(
+        budget_bytes=budget_bytes,
+        predicted_bytes=plan.predicted_peak_bytes,
+        measured_bytes=measured_bytes,
+        min_peak_bytes=plan.min_peak_bytes,
+    )
+    if lowered_bytes >= planned_bytes:
+        raise InfeasibleBudget(
+            budget_bytes=budget_bytes, min_peak_bytes=measured_bytes, breakdown=plan.simulation.breakdown
+        )
+    log.warning(
+        "compiled plan measured %s over its budget of %s (predicted %s); planning again under %s",
+        format_bytes(measured_bytes - budget_bytes),
+        format_bytes(budget_bytes),
+        format_bytes(plan.predicted_peak_bytes),
+        format_bytes(lowered_bytes),
+    )
+    return lowered_bytes
+
+
+def lowered_budget_bytes(
+    *, budget_bytes: int, predicted_bytes: int, measured_bytes: int, min_peak_bytes: int
+) -> int:
+    """The budget to plan under after a compiled plan predicted at `predicted_bytes` measured
+    `measured_bytes`, over `budget_bytes` (NOTE [checked budget]).
+
+    The model missed `measured_bytes - predicted_bytes`; a plan predicted within the budget less that
+    miss measures within the budget where the miss stays the same. (Lowering the planned budget by the
+    excess alone lets the solver pick the same schedule again where it had bytes to spare: a BERT plan
+    predicted at 4.15 MiB under 4.18 MiB measured 4.53 MiB, 5.4 KiB over its 4.52 MiB budget, twice.)
+    Since a plan is predicted within its planned budget, this is never above the planned budget less the
+    excess. Never below the lowest peak.
+    """
+    return max(min_peak_bytes, budget_bytes - (measured_bytes - predicted_bytes))

@@ -59,7 +59,7 @@ class CompiledStep:
     graph_breaks: str = ""
     """Why dynamo broke the step's graph, where it did: the plan was then made on the eager step and
     compiled as it is, and only the measured peak describes the compiled step (NOTE [graph breaks] in
-    compiled.py)."""
+    compiled_split.py)."""
 
 
 @dataclass

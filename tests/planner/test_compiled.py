@@ -25,7 +25,8 @@ import torch
 
 import planner
 from planner import zoo
-from planner.compiled import lowered_budget_bytes, plan_compiled_step
+from planner.compiled import plan_compiled_step
+from planner.compiled_step import lowered_budget_bytes
 from planner.ir import TrainingStep
 from planner.measurement import AllocatorPhases, LiveStorageTracker, default_loss, storage_bytes
 from planner.testing.zoo_real import build_call

@@ -61,6 +61,22 @@ operators may be recomputed, provided the seeds tensor is saved: it is its own n
 graph (where inductor allocates it), never checkpointed, and every plan saves it. Any other random
 operator (`aten.rand`, `bernoulli` under `fallback_random`) would draw new numbers when recomputed, so
 the node holding it is not checkpointable: its outputs are always saved.
+
+NOTE [step constants]: some forward values depend on no primal that needs a gradient and on no random
+draw: a causal mask built by comparing position indices, rotary cos/sin tables, position ids. AOT
+autograd gives them the sequence number of the differentiable operator before them (Llama's: the
+embedding's), and inductor computes them inside every kernel that reads them, per element of that
+kernel. A plan that recomputes them rebuilds them in each recomputed kernel: Llama's `ilp` plan that
+started a checkpointed region at the embedding spent 1.7 ms of a 13 ms step rebuilding the mask with
+index and compare operations inside its softmax kernels, where the roofline priced the group at
+0.013 ms (bench/kernel_time.py), and a plan that kept it stored measured 1.08x faster. So a constant
+that a non-constant operator reads, and whose computation does arithmetic (an operator other than a
+fill, a copy, a view or `iota`), joins the front group with the constants it is computed from: it is
+never checkpointed, it is materialised once, and a checkpointed region that needs it holds it as one
+of its inputs (the partition saves it). A constant made only of fills and copies (a `full` of zeros,
+shifted labels) stays where it is: inductor inlines it for free. The bytes are counted; the value is
+materialised in the model's forward even in a plan that saves it for no region (inductor then
+inlines it again, so the prediction over-counts it briefly, by its size).
 """
 
 from __future__ import annotations
@@ -91,6 +107,12 @@ LOSS_HELD = "loss.held"
 LAYOUT_COPY_NODE = "channels_last_copies"
 REPLAYABLE_RANDOM = {"inductor_random", "inductor_lookup_seed"}
 """Random operators that inductor computes from a saved seed: recomputing them replays the same numbers."""
+FREE_CONSTANT_OPS = frozenset(
+    {"full", "scalar_tensor", "iota", "clone", "convert_element_type", "_to_copy", "copy"}
+    | {"constant_pad_nd", "cat", "empty", "zeros", "ones", "new_empty", "new_zeros", "new_ones"}
+)
+"""Operators that fill or copy: a step constant computed by these alone costs nothing to inline (NOTE
+[step constants])."""
 MODULE_PREFIX = re.compile(r"^L\['self'\]\.?")
 MODULES_ACCESS = re.compile(r"\._modules\['([^']+)'\]")
 
@@ -360,32 +382,70 @@ def _random_draws(forward: Sequence[fx.Node], op_types: OpTypes) -> list[fx.Node
     return [node for node in forward if node in found]
 
 
-def _groups(forward: Sequence[fx.Node], draws: Sequence[fx.Node]) -> list[list[fx.Node]]:
+def _step_constants(
+    forward: Sequence[fx.Node], with_gradient: Iterable[fx.Node], op_types: OpTypes
+) -> list[fx.Node]:
+    """Forward nodes that compute a step constant by arithmetic for a non-constant operator to read,
+    with the constants it is computed from, in order (NOTE [step constants]). `with_gradient`: the
+    primals the joint graph returns a gradient for."""
+    varying = set(with_gradient)
+    constants: list[fx.Node] = []
+    for node in forward:
+        if _is_random(node, op_types) or any(source in varying for source in node.all_input_nodes):
+            varying.add(node)
+        else:
+            constants.append(node)
+    constant_set = set(constants)
+    pinned: set[fx.Node] = set()
+    for node in constants:
+        tensor = _tensor(node)
+        if tensor is None or tensor.numel() <= 1 or all(user in constant_set for user in node.users):
+            continue
+        cone = _constant_cone(node, constant_set)
+        if any(not op_types.is_view(n) and _target_name(n) not in FREE_CONSTANT_OPS for n in cone):
+            pinned |= cone
+    return [node for node in constants if node in pinned]
+
+
+def _constant_cone(node: fx.Node, constants: set[fx.Node]) -> set[fx.Node]:
+    """`node` and the constants it is computed from."""
+    cone: set[fx.Node] = set()
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if current in cone:
+            continue
+        cone.add(current)
+        pending += [source for source in current.all_input_nodes if source in constants]
+    return cone
+
+
+def _groups(forward: Sequence[fx.Node], front: Sequence[fx.Node]) -> list[list[fx.Node]]:
     """Forward nodes grouped by the eager operator they decompose (autograd's `seq_nr`), in order.
 
     Nodes without a sequence number (the random operators inductor substitutes for dropout, views it
-    adds) join the next group that has one. The random draws are a group of their own, first (NOTE
-    [random operators]).
+    adds) join the next group that has one. `front` (the random draws, NOTE [random operators]; the
+    step constants, NOTE [step constants]) is a group of its own, first.
     """
-    front = list(draws)
-    groups: list[list[fx.Node]] = [front] if front else []
+    front_set = set(front)
+    groups: list[list[fx.Node]] = [list(front)] if front else []
     pending: list[fx.Node] = []
     current_seq: object = None
     for node in forward:
-        if node in front:
+        if node in front_set:
             continue
         seq = node.meta.get("seq_nr")
         if seq is None:
             pending.append(node)
             continue
-        if groups and groups[-1] is not front and seq == current_seq:
+        if len(groups) > bool(front) and seq == current_seq:
             groups[-1] += [*pending, node]
         else:
             groups.append([*pending, node])
         pending = []
         current_seq = seq
     if pending:
-        if groups and groups[-1] is not front:
+        if len(groups) > bool(front):
             groups[-1] += pending
         else:
             groups.append(pending)
@@ -476,6 +536,11 @@ class _JointReader:
         output = next(n for n in nodes if n.op == "output")
         values = [value for value in output.args[0] if isinstance(value, fx.Node)]
         self.forward_outputs = set(output.args[0][:num_fwd_outputs]) - {None}
+        primals = [node for node in nodes if _is_primal(node)]
+        gradients_of_primals = output.args[0][num_fwd_outputs:]
+        with_gradient = [p for p, g in zip(primals, gradients_of_primals, strict=True) if g is not None]
+        self.step_constants = _step_constants(self.forward, with_gradient, self.op_types)
+        """NOTE [step constants]."""
         self.gradients = set(values) - self.forward_outputs
         self.tangents = [n for n in nodes if n.op == "placeholder" and not _is_primal(n)]
         self.gradient_dependent = set(node_info.tangents_closure)
@@ -492,7 +557,11 @@ class _JointReader:
         """Saved storages the backward may free or reuse once read: not those the forward also returns
         (NOTE [saved outputs])."""
         self._saved_closure: dict[fx.Node, frozenset[str]] = {}
-        kept = self.saved_storages | self.output_storages
+        pinned = set(self.step_constants)
+        read_constants = self._activation_storages(
+            node for node in pinned if any(user not in pinned for user in node.users)
+        )
+        kept = self.saved_storages | self.output_storages | read_constants
         self.forward_fusion = _FusionModel(
             [n for n in nodes if n in self.forward_set],
             self.op_types,
@@ -733,12 +802,9 @@ def _checkpointable(group: Sequence[fx.Node], op_types: OpTypes) -> bool:
 
 
 def _group_node(
-    reader: _JointReader,
-    index: int,
-    group: Sequence[fx.Node],
-    backward: _Backward,
-    spec: DeviceSpec,
+    reader: _JointReader, group: Sequence[fx.Node], backward: _Backward, spec: DeviceSpec, *, pinned: bool
 ) -> Node:
+    """The graph node of one group; a `pinned` group (the front one) is never checkpointed."""
     creates = [
         name for node in group if (name := reader.made_here(node)) and reader.forward_materialized(name)
     ]
@@ -771,7 +837,7 @@ def _group_node(
         moved_bytes=moved_bytes,
         operator_count=len(kernels),
         random=random,
-        checkpointable=_checkpointable(group, reader.op_types) and index >= 0,
+        checkpointable=not pinned and _checkpointable(group, reader.op_types),
     )
 
 
@@ -838,11 +904,13 @@ def build_compiled_graph(
     """
     reader = _JointReader(joint, node_info, default_saved, num_fwd_outputs)
     draws = _random_draws(reader.forward, reader.op_types)
-    groups = _place_hoisted(_groups(reader.forward, draws), reader.hoisted)
+    front_set = {*draws, *reader.step_constants}
+    front = [node for node in reader.forward if node in front_set]
+    groups = _place_hoisted(_groups(reader.forward, front), reader.hoisted)
     order = backward_order(reader)
     backward = _backward_by_group(reader, groups, order, loss.held_bytes)
     nodes = [
-        _group_node(reader, index, group, entry, spec)
+        _group_node(reader, group, entry, spec, pinned=bool(front) and index == 0)
         for index, (group, entry) in enumerate(zip(groups, backward, strict=True))
     ]
     if reader.layout_copies:

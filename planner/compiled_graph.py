@@ -69,14 +69,16 @@ embedding's), and inductor computes them inside every kernel that reads them, pe
 kernel. A plan that recomputes them rebuilds them in each recomputed kernel: Llama's `ilp` plan that
 started a checkpointed region at the embedding spent 1.7 ms of a 13 ms step rebuilding the mask with
 index and compare operations inside its softmax kernels, where the roofline priced the group at
-0.013 ms (bench/kernel_time.py), and a plan that kept it stored measured 1.08x faster. So a constant
-that a non-constant operator reads, and whose computation does arithmetic (an operator other than a
-fill, a copy, a view or `iota`), joins the front group with the constants it is computed from: it is
-never checkpointed, it is materialised once, and a checkpointed region that needs it holds it as one
-of its inputs (the partition saves it). A constant made only of fills and copies (a `full` of zeros,
-shifted labels) stays where it is: inductor inlines it for free. The bytes are counted; the value is
-materialised in the model's forward even in a plan that saves it for no region (inductor then
-inlines it again, so the prediction over-counts it briefly, by its size).
+0.013 ms (bench/kernel_time.py). So a constant that a non-constant operator reads, and whose
+computation does arithmetic (an operator other than a fill, a copy, a view or `iota`), joins the
+front group with the constants it is computed from: it is never checkpointed, it is materialised
+once, and a checkpointed region that needs it holds it as one of its inputs (the partition saves it).
+That plan's step went from 1.084x compiled no checkpointing to 1.003x. A constant made only of fills
+and copies (a `full` of zeros, shifted labels) stays where it is: inductor inlines it for free. The
+outputs of a frozen module on the inputs qualify too, and are never recomputed. The bytes are
+counted, from the start of the forward; the value is materialised in the model's forward even in a
+plan that saves it for no region (inductor then inlines it again, so the prediction over-counts it
+briefly, by its size).
 """
 
 from __future__ import annotations

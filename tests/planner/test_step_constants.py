@@ -4,7 +4,8 @@ that is never checkpointed, so no plan rebuilds them inside recomputed kernels; 
 
 The model is written for this test, the way transformers builds a mask and rotary tables in the
 forward, not taken from the zoo: positions from `arange`, a boolean causal mask from a comparison, a
-cos table, and a zeros fill that inductor inlines for free.
+cos table, and a zeros fill that inductor inlines for free. A frozen first layer is a step constant
+too: its output joins the front node, and nothing after it does.
 """
 
 from __future__ import annotations
@@ -124,3 +125,16 @@ def test_a_plan_that_recomputes_a_layer_reading_the_mask_trains_as_torch_compile
     measured = plan.compiled.measured_peak_bytes
     assert measured is not None and measured <= budget, plan.summary()
     assert abs(plan.predicted_peak_bytes - measured) <= PREDICTION_TOLERANCE * measured, plan.summary()
+
+
+def test_a_frozen_first_layer_joins_the_front_node_and_the_layers_after_it_do_not() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(), nn.Linear(4 * WIDTH, WIDTH), nn.Tanh())
+    model[0].requires_grad_(False)
+    inputs = (torch.randn(BATCH, WIDTH),)
+    graph = _graph(model, inputs, HUGE_BUDGET_BYTES).graph
+    front = graph.nodes[0]
+    assert not front.checkpointable, front
+    # the frozen Linear's output (an extern kernel's) and its ReLU, which the next Linear reads
+    assert _constant_bytes(graph, 0) == 2 * BATCH * 4 * WIDTH * 4, front
+    assert all(node.checkpointable for node in graph.nodes[1:-1]), graph.nodes

@@ -11,7 +11,7 @@ the eager step's in both directions. Here the planner plans the compiled step it
    solves it with the planner's own solvers under the byte budget.
 2. The schedule becomes the set of values the forward saves (a checkpointed region keeps its inputs,
    its backward recomputes the rest; random draws are always saved, so recomputed dropout replays its
-   mask: NOTE [random operators] in compiled_graph.py). inductor's min-cut partitioner then builds the
+   mask: NOTE [random operators] in compiled_groups.py). inductor's min-cut partitioner then builds the
    forward and backward graphs around that set, and the backward runs in the planned order.
 3. One forward and backward on the example inputs compiles both graphs; the model's state is left as
    it was (gradients go to `torch.autograd.grad`, RNG state and buffers are restored).

@@ -10,8 +10,8 @@ the simulator and the solvers plan the compiled step unchanged:
 - nodes are the forward's aten operators grouped by the eager operator they decompose (autograd's
   sequence number: a LayerNorm is one node, not its eight decomposed operators), in forward order,
   with the module path of the call they belong to;
-- storages are the buffers inductor materialises (NOTE [fusion model]), sized from the graph's fake
-  tensors; views share their base's storage;
+- storages are the buffers inductor materialises (NOTE [fusion model] in compiled_fusion.py), sized
+  from the graph's fake tensors; views share their base's storage;
 - what a node "saves" is what its backward reads of the partition without checkpointing (inductor's
   own min-cut partition at activation_memory_budget=1.0), following recomputed values back to saved
   ones; a checkpointed region of a plan keeps its inputs instead and its backward recomputes the rest;
@@ -20,23 +20,6 @@ the simulator and the solvers plan the compiled step unchanged:
   backward workspace and parameter gradients (NOTE [measured residuals] in ir.py, here predicted);
 - times are analytic (FLOPs and bytes on a roofline, profile.py): the compiled kernels do not exist yet
   when the partitioner runs.
-
-NOTE [fusion model]: a forward or backward value is materialised (allocated as a buffer) when it is a
-graph output (a saved value, the model's output, a gradient), when the operator that makes it is not
-fusible (matmuls, convolutions: extern kernels), or when an operator that is not fusible reads it.
-Every other value is computed inside the kernel that consumes it. This is the partitioner's own notion
-(`is_materialized` in torch/_functorch/partitioners.py, over `get_default_op_list()`); inductor's
-scheduler may still fuse or reuse more, which tests measure against the compiled step's real peak.
-
-NOTE [addmm]: after partitioning, inductor's post-grad pass rewrites `add(mm(a, b), c)` into one
-`addmm(c, a, b)` where the mm has no other user (`addmm` in torch/_inductor/fx_passes/post_grad.py).
-In a backward that sums two gradients of one tensor (an input embedding tied to the language-model
-head: the head's weight gradient `mm(grad_logits.T, h)` plus the embedding's scatter), the mm then
-runs where the add runs, at the very end, and the logits' gradient it reads stays allocated until
-then. The backward's fusion model folds such an mm into its add (`_addmm_folds`): the add is a kernel
-of its own that reads the mm's inputs, and the mm makes no buffer. A three-layer language model with
-tied weights measured 2 MiB (the logits' gradient) above its prediction without this; GPT-2 ties its
-weights the same way.
 
 NOTE [layout copies]: on the CPU (mkldnn) inductor runs convolutions in channels-last and copies
 every parameter and graph input a convolution reads that is not channels-last already (a 3x3 weight,
@@ -54,39 +37,13 @@ allocator traces measured, a tangent's memory came back only after the backward;
 after its last reader, which has not yet set a measured peak.) A three-layer language model returning
 (loss, logits) measured one logits buffer (6 MiB, 26 %) above a model that let the backward reuse
 them; Hugging Face's GPT-2, BERT and Llama were 7-10 % under (BERT: exact to 4 bytes since).
-
-NOTE [random operators]: on the CPU inductor turns dropout into `inductor_random(seed)` with seeds drawn
-once per step by `inductor_seeds`. A value recomputed from the same seed is the same value, so random
-operators may be recomputed, provided the seeds tensor is saved: it is its own node at the front of the
-graph (where inductor allocates it), never checkpointed, and every plan saves it. Any other random
-operator (`aten.rand`, `bernoulli` under `fallback_random`) would draw new numbers when recomputed, so
-the node holding it is not checkpointable: its outputs are always saved.
-
-NOTE [step constants]: some forward values depend on no primal that needs a gradient and on no random
-draw: a causal mask built by comparing position indices, rotary cos/sin tables, position ids. AOT
-autograd gives them the sequence number of the differentiable operator before them (Llama's: the
-embedding's), and inductor computes them inside every kernel that reads them, per element of that
-kernel. A plan that recomputes them rebuilds them in each recomputed kernel: Llama's `ilp` plan that
-started a checkpointed region at the embedding spent 1.7 ms of a 13 ms step rebuilding the mask with
-index and compare operations inside its softmax kernels, where the roofline priced the group at
-0.013 ms (bench/kernel_time.py). So a constant that a non-constant operator reads, and whose
-computation does arithmetic (an operator other than a fill, a copy, a view or `iota`), joins the
-front group with the constants it is computed from: it is never checkpointed, it is materialised
-once, and a checkpointed region that needs it holds it as one of its inputs (the partition saves it).
-That plan's step went from 1.084x compiled no checkpointing to 1.003x. A constant made only of fills
-and copies (a `full` of zeros, shifted labels) stays where it is: inductor inlines it for free. The
-outputs of a frozen module on the inputs qualify too, and are never recomputed. The bytes are
-counted, from the start of the forward; the value is materialised in the model's forward even in a
-plan that saves it for no region (inductor then inlines it again, so the prediction over-counts it
-briefly, by its size).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import operator
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -95,26 +52,28 @@ from torch._functorch.partitioners import NodeInfo, OpTypes, get_default_op_list
 from torch.utils.flop_counter import flop_registry
 
 from planner.backward_order import Kernel, least_peak_first, peak_of_order
+from planner.compiled_fusion import FusionModel, Storages, addmm_folds, is_primal, node_tensor, target_name
+from planner.compiled_groups import (
+    REPLAYABLE_RANDOM,
+    checkpointable_group,
+    hoisted_operators,
+    is_random,
+    operator_groups,
+    place_hoisted,
+    random_draws,
+    step_constants,
+)
 from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
+from planner.graph_build import LOSS_NODE
 from planner.ir import ActivationGraph, Node, Schedule, StaticBytes
 from planner.kernel_scratch import scratch_bytes
 from planner.simulate import held_storages
 
-__all__ = ["CompiledGraph", "LossProfile", "build_compiled_graph", "SEEDS_NODE"]
+__all__ = ["CompiledGraph", "LossProfile", "build_compiled_graph"]
 
-SEEDS_NODE = "inductor_seeds"
-LOSS_NODE = "loss"
 LOSS_HELD = "loss.held"
 """The backward's pseudo-buffer for `LossProfile.held_bytes`."""
 LAYOUT_COPY_NODE = "channels_last_copies"
-REPLAYABLE_RANDOM = {"inductor_random", "inductor_lookup_seed"}
-"""Random operators that inductor computes from a saved seed: recomputing them replays the same numbers."""
-FREE_CONSTANT_OPS = frozenset(
-    {"full", "scalar_tensor", "iota", "clone", "convert_element_type", "_to_copy", "copy"}
-    | {"constant_pad_nd", "cat", "empty", "zeros", "ones", "new_empty", "new_zeros", "new_ones"}
-)
-"""Operators that fill or copy: a step constant computed by these alone costs nothing to inline (NOTE
-[step constants])."""
 MODULE_PREFIX = re.compile(r"^L\['self'\]\.?")
 MODULES_ACCESS = re.compile(r"\._modules\['([^']+)'\]")
 
@@ -143,7 +102,8 @@ class CompiledGraph:
     producers: dict[str, fx.Node]
     """Storage name -> the forward FX node whose value it is (the base of any views)."""
     always_saved: tuple[fx.Node, ...]
-    """Forward values every partition must save: random draws (NOTE [random operators])."""
+    """Forward values every partition must save: random draws (NOTE [random operators] in
+    compiled_groups.py)."""
     storage_of: dict[fx.Node, str] = field(repr=False)
     """Forward FX node -> the activation storage its value lives in (views: their base's)."""
     backward: tuple[fx.Node, ...] = field(repr=False)
@@ -156,28 +116,9 @@ class CompiledGraph:
     fusion] in compiled.py)."""
 
 
-def _is_primal(node: fx.Node) -> bool:
-    return node.op == "placeholder" and "tangents" not in str(node.target)
-
-
-def _tensor(node: fx.Node) -> torch.Tensor | None:
-    value = node.meta.get("val")
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
-
-
-def _target_name(node: fx.Node) -> str:
-    target = node.target
-    name = getattr(target, "__name__", str(target))
-    return name.split(".")[0] if isinstance(target, torch._ops.OpOverload) else name
-
-
 def _op_label(node: fx.Node) -> str:
     original = node.meta.get("original_aten")
-    return str(original.overloadpacket.__name__) if original is not None else _target_name(node)
+    return str(original.overloadpacket.__name__) if original is not None else target_name(node)
 
 
 def module_path(node: fx.Node) -> str:
@@ -189,172 +130,6 @@ def module_path(node: fx.Node) -> str:
     return MODULES_ACCESS.sub(r".\1", MODULE_PREFIX.sub("", qualified)).lstrip(".")
 
 
-def _is_random(node: fx.Node, op_types: OpTypes) -> bool:
-    """Whether `node` draws random numbers: aten's `nondeterministic_seeded` operators (dropout,
-    bernoulli, rand), the partitioner's random list, and inductor's seeds and random prims."""
-    target = node.target
-    seeded = isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
-    return seeded or op_types.is_random(node) or _target_name(node) in (SEEDS_NODE, *REPLAYABLE_RANDOM)
-
-
-class _Storages:
-    """Storage names of tensor values (views share their base's), and which are materialised."""
-
-    def __init__(self, op_types: OpTypes) -> None:
-        self.op_types = op_types
-        self.name_of_key: dict[int, str] = {}
-        self.sizes: dict[str, int] = {}
-        self.dtypes: dict[str, torch.dtype] = {}
-        self.producer: dict[str, fx.Node] = {}
-
-    def name(self, node: fx.Node) -> str | None:
-        """The storage of `node`'s value, named after the first node that made it (None: no tensor)."""
-        tensor = _tensor(node)
-        if tensor is None or tensor.untyped_storage().nbytes() == 0:
-            return None
-        key = _storage_key(tensor)
-        if key not in self.name_of_key:
-            self.name_of_key[key] = node.name
-            self.sizes[node.name] = tensor.untyped_storage().nbytes()
-            self.dtypes[node.name] = tensor.dtype
-            self.producer[node.name] = node
-        return self.name_of_key[key]
-
-
-REALIZE_READS = 4
-"""inductor's `realize_reads_threshold`: a value read by several kernels is stored once it reads more."""
-REALIZE_ACCUMULATED_READS = 8
-"""inductor's `realize_acc_reads_threshold`: a value whose inlined computation reads more is stored."""
-HEAVY_OPS = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"})
-"""On the CPU inductor stores a value used by several kernels whose computation includes one of these."""
-
-
-class _FusionModel:
-    """NOTE [fusion model], applied to one part of the joint graph (forward or backward) in order.
-
-    For every node: whether its value is stored (`materialized`), and the storages the kernel that
-    computes it reads (`inlined_reads`: through the values it computes inline, down to stored ones).
-    `outside(node)` names the storages a value from outside the part stands for (a parameter itself;
-    for the backward, the saved activations a forward value is recomputed from).
-    """
-
-    def __init__(
-        self,
-        nodes: Sequence[fx.Node],
-        op_types: OpTypes,
-        storage: Callable[[fx.Node], str | None],
-        outside: Callable[[fx.Node], frozenset[str]],
-        outputs: Callable[[fx.Node], bool],
-        addmm: Mapping[fx.Node, fx.Node] | None = None,
-    ) -> None:
-        self.op_types = op_types
-        self.addmm = dict(addmm or {})
-        """NOTE [addmm]: the add an mm's value is computed inside -> that mm."""
-        self.folded = set(self.addmm.values())
-        self.materialized: set[fx.Node] = set()
-        self.inlined_reads: dict[fx.Node, frozenset[str]] = {}
-        self.inlined_ops: dict[fx.Node, frozenset[str]] = {}
-        part = set(nodes)
-        for node in nodes:
-            reads: set[str] = set()
-            ops = {_target_name(node)}
-            for source in node.all_input_nodes:
-                if source not in part:
-                    reads |= outside(source)
-                elif source in self.materialized:
-                    reads.add(storage(source) or source.name)
-                else:
-                    reads |= self.inlined_reads[source]
-                    ops |= self.inlined_ops[source]
-            self.inlined_reads[node] = frozenset(reads)
-            self.inlined_ops[node] = frozenset(ops)
-            if not op_types.is_view(node) and self._stored(node, part, outputs(node), reads, ops):
-                self.materialized.add(node)
-
-    def _stored(
-        self, node: fx.Node, part: set[fx.Node], is_output: bool, reads: set[str], ops: set[str]
-    ) -> bool:
-        if _tensor(node) is None or node in self.folded:
-            return False
-        if node in self.addmm:
-            return True
-        # one output of a multi-output operator (var_mean) is stored as that operator would be
-        operator_node = node.args[0] if node.target is operator.getitem else node
-        assert isinstance(operator_node, fx.Node)
-        if is_output or not self.op_types.is_fusible(operator_node) or _is_reduction(operator_node, node):
-            return True
-        users = _users_through_views(node, self.op_types, part)
-        if any(
-            user.op == "output" or user in self.addmm or not self.op_types.is_fusible(user) for user in users
-        ):
-            return True
-        if len(set(node.users)) > 1 and (ops & HEAVY_OPS or len(reads) > REALIZE_READS):
-            return True
-        return len(reads) > REALIZE_ACCUMULATED_READS
-
-
-def _addmm_folds(nodes: Sequence[fx.Node]) -> dict[fx.Node, fx.Node]:
-    """NOTE [addmm]: each `add(mm(a, b), c)` (either order) of `nodes` that inductor's post-grad pass
-    turns into `addmm(c, a, b)` -> its mm: the mm's only user is the add, and `c` is a tensor of the
-    mm's dtype that expands to its shape (`is_valid_addmm_fusion` in torch/_inductor/fx_passes/
-    post_grad.py; on a GPU, an add whose users are all pointwise stays unfused, and is left here)."""
-    part = set(nodes)
-    folds: dict[fx.Node, fx.Node] = {}
-    for node in nodes:
-        if node.target is not torch.ops.aten.add.Tensor or len(node.args) != 2 or node.kwargs:
-            continue
-        value = _tensor(node)
-        if value is None or (value.device.type != "cpu" and all(_pointwise(user) for user in node.users)):
-            continue
-        for mm, other in (node.args, node.args[::-1]):
-            if not (isinstance(mm, fx.Node) and mm in part and mm.target is torch.ops.aten.mm.default):
-                continue
-            if len(mm.users) != 1 or not isinstance(other, fx.Node):
-                continue
-            product, addend = _tensor(mm), _tensor(other)
-            operands = [_tensor(source) for source in mm.all_input_nodes]
-            if product is None or addend is None or any(operand is None for operand in operands):
-                continue
-            dtypes = {addend.dtype, *(operand.dtype for operand in operands if operand is not None)}
-            if len(dtypes) == 1 and _expands_to(addend.shape, product.shape):
-                folds[node] = mm
-                break
-    return folds
-
-
-def _expands_to(shape: torch.Size, target: torch.Size) -> bool:
-    try:
-        return torch.broadcast_shapes(shape, target) == target
-    except RuntimeError:
-        return False
-
-
-def _pointwise(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
-
-
-def _users_through_views(node: fx.Node, op_types: OpTypes, part: set[fx.Node]) -> list[fx.Node]:
-    """Users of `node` in `part` (or the graph output), looking through views to the views' users."""
-    found: list[fx.Node] = []
-    pending = [node]
-    while pending:
-        current = pending.pop()
-        for user in current.users:
-            if user in part and op_types.is_view(user):
-                pending.append(user)
-            elif user in part or user.op == "output":
-                found.append(user)
-    return found
-
-
-def _is_reduction(operator_node: fx.Node, value: fx.Node) -> bool:
-    """Whether `value` (of `operator_node`) has fewer elements than an input: a reduction's own loop."""
-    output = _tensor(value)
-    inputs = [t for source in operator_node.all_input_nodes if (t := _tensor(source)) is not None]
-    return output is not None and any(t.numel() > output.numel() for t in inputs)
-
-
 def _flops(node: fx.Node) -> int:
     """FLOPs of `node` by `torch.utils.flop_counter`'s formulas on its fake values (0 if uncounted)."""
     target = node.target
@@ -364,127 +139,6 @@ def _flops(node: fx.Node) -> int:
     return int(flop_registry[target.overloadpacket](*args, **kwargs, out_val=node.meta.get("val")))
 
 
-def _random_draws(forward: Sequence[fx.Node], op_types: OpTypes) -> list[fx.Node]:
-    """Forward nodes that draw random numbers from nothing the step computes (inductor's seeds, the
-    `bernoulli_` a Dropout2d fills a fresh tensor with), with the nodes they draw into, in order: NOTE
-    [random operators]."""
-    found: set[fx.Node] = set()
-    for node in forward:
-        if not _is_random(node, op_types) or _target_name(node) in REPLAYABLE_RANDOM:
-            continue
-        draw, pending = {node}, list(node.all_input_nodes)
-        while pending:
-            source = pending.pop()
-            if source.op == "placeholder" or source in draw:
-                continue
-            draw.add(source)
-            pending += source.all_input_nodes
-        if all(source.op == "placeholder" or source in draw for n in draw for source in n.all_input_nodes):
-            found |= draw
-    return [node for node in forward if node in found]
-
-
-def _step_constants(
-    forward: Sequence[fx.Node], with_gradient: Iterable[fx.Node], op_types: OpTypes
-) -> list[fx.Node]:
-    """Forward nodes that compute a step constant by arithmetic for a non-constant operator to read,
-    with the constants it is computed from, in order (NOTE [step constants]). `with_gradient`: the
-    primals the joint graph returns a gradient for."""
-    varying = set(with_gradient)
-    constants: list[fx.Node] = []
-    for node in forward:
-        if _is_random(node, op_types) or any(source in varying for source in node.all_input_nodes):
-            varying.add(node)
-        else:
-            constants.append(node)
-    constant_set = set(constants)
-    pinned: set[fx.Node] = set()
-    for node in constants:
-        tensor = _tensor(node)
-        if tensor is None or tensor.numel() <= 1 or all(user in constant_set for user in node.users):
-            continue
-        cone = _constant_cone(node, constant_set)
-        if any(not op_types.is_view(n) and _target_name(n) not in FREE_CONSTANT_OPS for n in cone):
-            pinned |= cone
-    return [node for node in constants if node in pinned]
-
-
-def _constant_cone(node: fx.Node, constants: set[fx.Node]) -> set[fx.Node]:
-    """`node` and the constants it is computed from."""
-    cone: set[fx.Node] = set()
-    pending = [node]
-    while pending:
-        current = pending.pop()
-        if current in cone:
-            continue
-        cone.add(current)
-        pending += [source for source in current.all_input_nodes if source in constants]
-    return cone
-
-
-def _groups(forward: Sequence[fx.Node], front: Sequence[fx.Node]) -> list[list[fx.Node]]:
-    """Forward nodes grouped by the eager operator they decompose (autograd's `seq_nr`), in order.
-
-    Nodes without a sequence number (the random operators inductor substitutes for dropout, views it
-    adds) join the next group that has one. `front` (the random draws, NOTE [random operators]; the
-    step constants, NOTE [step constants]) is a group of its own, first.
-    """
-    front_set = set(front)
-    groups: list[list[fx.Node]] = [list(front)] if front else []
-    pending: list[fx.Node] = []
-    current_seq: object = None
-    for node in forward:
-        if node in front_set:
-            continue
-        seq = node.meta.get("seq_nr")
-        if seq is None:
-            pending.append(node)
-            continue
-        if len(groups) > bool(front) and seq == current_seq:
-            groups[-1] += [*pending, node]
-        else:
-            groups.append([*pending, node])
-        pending = []
-        current_seq = seq
-    if pending:
-        if len(groups) > bool(front):
-            groups[-1] += pending
-        else:
-            groups.append(pending)
-    return groups
-
-
-def _hoisted(forward: Sequence[fx.Node], default_saved: Iterable[fx.Node]) -> list[fx.Node]:
-    """Backward operators that do not depend on the gradient (a transpose of a saved value, a LayerNorm
-    backward's scale), which the partition computes at the end of the forward and saves, with the
-    gradient-free operators they need, in graph order."""
-    required = set(forward)
-    found: set[fx.Node] = set()
-    pending = [node for node in default_saved if node.op == "call_function" and node not in required]
-    while pending:
-        node = pending.pop()
-        if node in found:
-            continue
-        found.add(node)
-        pending += [n for n in node.all_input_nodes if n.op == "call_function" and n not in required]
-    order = {node: index for index, node in enumerate(next(iter(forward)).graph.nodes)} if forward else {}
-    return sorted(found, key=order.__getitem__)
-
-
-def _place_hoisted(groups: list[list[fx.Node]], hoisted: Sequence[fx.Node]) -> list[list[fx.Node]]:
-    """Add each hoisted backward operator to the group of the forward operator it differentiates (the
-    same `seq_nr`), else to the latest group among its inputs'."""
-    group_of = {node: index for index, group in enumerate(groups) for node in group}
-    group_of_seq = {node.meta.get("seq_nr"): index for node, index in group_of.items()}
-    for node in hoisted:
-        index = group_of_seq.get(node.meta.get("seq_nr"))
-        if index is None:
-            index = max((group_of[n] for n in node.all_input_nodes if n in group_of), default=len(groups) - 1)
-        groups[index].append(node)
-        group_of[node] = index
-    return groups
-
-
 def _layout_optimised(joint: fx.GraphModule) -> bool:
     """Whether inductor runs `joint`'s convolutions in channels-last (NOTE [layout copies])."""
     from torch._inductor.graph import GraphLowering
@@ -492,7 +146,7 @@ def _layout_optimised(joint: fx.GraphModule) -> bool:
     return bool(GraphLowering.decide_layout_opt(joint, is_inference=False))
 
 
-def _layout_copies(forward: Sequence[fx.Node], storages: _Storages) -> dict[str, str]:
+def _layout_copies(forward: Sequence[fx.Node], storages: Storages) -> dict[str, str]:
     """NOTE [layout copies]: storage of each parameter or input a convolution reads that inductor
     copies to channels-last -> the copy's storage name (sized in `storages`)."""
     copies: dict[str, str] = {}
@@ -502,7 +156,7 @@ def _layout_copies(forward: Sequence[fx.Node], storages: _Storages) -> dict[str,
         for source in node.args[:2]:
             if not isinstance(source, fx.Node) or source.op != "placeholder":
                 continue
-            value = _tensor(source)
+            value = node_tensor(source)
             if value is None or value.dim() != 4:
                 continue
             if value.is_contiguous(memory_format=torch.channels_last):
@@ -526,25 +180,25 @@ class _JointReader:
         num_fwd_outputs: int,
     ) -> None:
         self.op_types = get_default_op_list()
-        self.storages = _Storages(self.op_types)
+        self.storages = Storages(self.op_types)
         nodes = list(joint.graph.nodes)
         named = {node: self.storages.name(node) for node in nodes}  # in graph order: producers first
-        self.static_storages = {name for node, name in named.items() if _is_primal(node) and name is not None}
+        self.static_storages = {name for node, name in named.items() if is_primal(node) and name is not None}
         self.forward = [n for n in nodes if n.op == "call_function" and node_info.is_required_fw(n)]
-        self.hoisted = _hoisted(self.forward, default_saved)
+        self.hoisted = hoisted_operators(self.forward, default_saved)
         self.forward_set = {*self.forward, *self.hoisted}
         self.backward = [n for n in nodes if n.op == "call_function" and n not in self.forward_set]
         self.backward_set = set(self.backward)
         output = next(n for n in nodes if n.op == "output")
         values = [value for value in output.args[0] if isinstance(value, fx.Node)]
         self.forward_outputs = set(output.args[0][:num_fwd_outputs]) - {None}
-        primals = [node for node in nodes if _is_primal(node)]
+        primals = [node for node in nodes if is_primal(node)]
         gradients_of_primals = output.args[0][num_fwd_outputs:]
         with_gradient = [p for p, g in zip(primals, gradients_of_primals, strict=True) if g is not None]
-        self.step_constants = _step_constants(self.forward, with_gradient, self.op_types)
-        """NOTE [step constants]."""
+        self.step_constants = step_constants(self.forward, with_gradient, self.op_types)
+        """NOTE [step constants] in compiled_groups.py."""
         self.gradients = set(values) - self.forward_outputs
-        self.tangents = [n for n in nodes if n.op == "placeholder" and not _is_primal(n)]
+        self.tangents = [n for n in nodes if n.op == "placeholder" and not is_primal(n)]
         self.gradient_dependent = set(node_info.tangents_closure)
         self.tangent_storages = {
             name for node in self.tangents if (name := self.storages.name(node)) is not None
@@ -564,14 +218,14 @@ class _JointReader:
             node for node in pinned if any(user not in pinned for user in node.users)
         )
         kept = self.saved_storages | self.output_storages | read_constants
-        self.forward_fusion = _FusionModel(
+        self.forward_fusion = FusionModel(
             [n for n in nodes if n in self.forward_set],
             self.op_types,
             self.storages.name,
             self._placeholder_storage,
             lambda node: self.activation(node) in kept and self.made_here(node) is not None,
         )
-        self.backward_fusion = _FusionModel(
+        self.backward_fusion = FusionModel(
             self.backward,
             self.op_types,
             self.storages.name,
@@ -579,7 +233,7 @@ class _JointReader:
                 self.saved_reads(node) if node in self.forward_set else self._placeholder_storage(node)
             ),
             lambda node: node in self.gradients,
-            _addmm_folds(self.backward),
+            addmm_folds(self.backward),
         )
 
     def _placeholder_storage(self, node: fx.Node) -> frozenset[str]:
@@ -607,8 +261,8 @@ class _JointReader:
         return self.storages.producer[name] in self.forward_fusion.materialized
 
     def reads(self, node: fx.Node) -> frozenset[str]:
-        """Activation storages the kernel computing `node` reads (NOTE [fusion model]): a value
-        computed inside the kernel contributes what it reads in turn."""
+        """Activation storages the kernel computing `node` reads (NOTE [fusion model] in
+        compiled_fusion.py): a value computed inside the kernel contributes what it reads in turn."""
         return frozenset(
             name for name in self.forward_fusion.inlined_reads[node] if name not in self.static_storages
         )
@@ -796,13 +450,6 @@ def _same_buffer(reader: _JointReader, first: str, second: str) -> bool:
     )
 
 
-def _checkpointable(group: Sequence[fx.Node], op_types: OpTypes) -> bool:
-    """A group may be recomputed unless it draws random numbers that recomputing would not replay."""
-    return not any(
-        _is_random(node, op_types) and _target_name(node) not in REPLAYABLE_RANDOM for node in group
-    )
-
-
 def _group_node(
     reader: _JointReader, group: Sequence[fx.Node], backward: _Backward, spec: DeviceSpec, *, pinned: bool
 ) -> Node:
@@ -815,7 +462,7 @@ def _group_node(
     sizes = reader.storages.sizes
     moved_bytes = sum(sizes[name] for name in (*creates, *reads))
     flops = sum(_flops(node) for node in group)
-    random = any(_is_random(node, reader.op_types) for node in group)
+    random = any(is_random(node, reader.op_types) for node in group)
     forward_ms = analytic_forward_ms(flops, moved_bytes, spec, random=random) if kernels else 0.0
     head = next((node for node in group if node.meta.get("seq_nr") is not None), group[0])
     return Node(
@@ -839,7 +486,7 @@ def _group_node(
         moved_bytes=moved_bytes,
         operator_count=len(kernels),
         random=random,
-        checkpointable=not pinned and _checkpointable(group, reader.op_types),
+        checkpointable=not pinned and checkpointable_group(group, reader.op_types),
     )
 
 
@@ -905,10 +552,10 @@ def build_compiled_graph(
     STORE region saves. `static` and `loss` come from the model, measured outside the graph.
     """
     reader = _JointReader(joint, node_info, default_saved, num_fwd_outputs)
-    draws = _random_draws(reader.forward, reader.op_types)
+    draws = random_draws(reader.forward, reader.op_types)
     front_set = {*draws, *reader.step_constants}
     front = [node for node in reader.forward if node in front_set]
-    groups = _place_hoisted(_groups(reader.forward, front), reader.hoisted)
+    groups = place_hoisted(operator_groups(reader.forward, front), reader.hoisted)
     order = backward_order(reader)
     backward = _backward_by_group(reader, groups, order, loss.held_bytes)
     nodes = [
@@ -932,7 +579,7 @@ def build_compiled_graph(
     return CompiledGraph(
         graph=graph,
         producers={name: reader.storages.producer[name] for name in used if name in reader.storages.producer},
-        always_saved=tuple(node for node in draws if _is_random(node, reader.op_types)),
+        always_saved=tuple(node for node in draws if is_random(node, reader.op_types)),
         storage_of={
             node: name for node in reader.forward_set if (name := reader.activation(node)) is not None
         },
@@ -944,14 +591,14 @@ def build_compiled_graph(
 
 def _must_save(node: fx.Node, op_types: OpTypes) -> bool:
     """Forward values a partition must save rather than recompute: RNG state that recomputing would not
-    replay (NOTE [random operators]), symbolic sizes, and what the partitioner itself pins to the
-    forward (collectives, effectful operators, sources of mutations in backward)."""
+    replay (NOTE [random operators] in compiled_groups.py), symbolic sizes, and what the partitioner
+    itself pins to the forward (collectives, effectful operators, sources of mutations in backward)."""
     from torch._functorch.partitioners import _must_be_in_forward, is_sym_node
     from torch.utils.checkpoint import CheckpointPolicy
 
-    replayable = _target_name(node) in REPLAYABLE_RANDOM
+    replayable = target_name(node) in REPLAYABLE_RANDOM
     return (
-        (_is_random(node, op_types) and not replayable)
+        (is_random(node, op_types) and not replayable)
         or is_sym_node(node)
         or node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE
         or _must_be_in_forward(node)
@@ -981,7 +628,7 @@ def saved_values(compiled: CompiledGraph, retained: Iterable[str]) -> list[fx.No
             continue
         visited.add(node)
         if node.op == "placeholder":
-            if _is_primal(node):
+            if is_primal(node):
                 saved[node] = None
         elif compiled.storage_of.get(node) in retained_set:
             saved[compiled.producers[compiled.storage_of[node]]] = None

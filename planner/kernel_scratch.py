@@ -1,7 +1,7 @@
 """Scratch memory an extern kernel allocates inside one call, measured once per operator signature.
 
 Why it exists: the joint graph of a compiled step shows each operator's inputs and outputs, and the
-fusion model (compiled_graph.py) decides which of them become buffers. An extern kernel also allocates
+fusion model (compiled_fusion.py) decides which of them become buffers. An extern kernel also allocates
 inside the call what no graph value shows: mkldnn's convolution reorders its weight, and its backward
 copies the gradient and input into the layout it computes in. A ResNet plan predicted at 8.43 MiB
 measured 8.81: three 144 KiB buffers inside one `convolution_backward` set the step's peak.

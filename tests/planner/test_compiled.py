@@ -179,7 +179,7 @@ class _TiedLoss(torch.nn.Module):
 
 
 def test_a_tied_head_holds_the_logits_gradient_until_its_weight_gradient_is_summed() -> None:
-    """NOTE [addmm] in compiled_graph.py: inductor folds the head's weight gradient into the add that
+    """NOTE [addmm] in compiled_fusion.py: inductor folds the head's weight gradient into the add that
     sums it with the embedding's, at the end of the backward, so the logits' gradient lives until
     then. The lowest plan was predicted 2 MiB (that gradient) below what it measured, could not be
     planned at its own lowest peak, and GPT-2's plans measured over their budgets."""

@@ -1,4 +1,4 @@
-"""NOTE [step constants] in planner/compiled_graph.py: values of the compiled step that depend on no
+"""NOTE [step constants] in planner/compiled_groups.py: values of the compiled step that depend on no
 gradient (a causal mask compared from positions, a cos table) are materialised once in a front node
 that is never checkpointed, so no plan rebuilds them inside recomputed kernels; fills stay inlined.
 
@@ -17,7 +17,8 @@ from torch import nn
 
 import planner
 from planner.compiled import plan_compiled_step
-from planner.compiled_graph import LOSS_NODE, SEEDS_NODE
+from planner.compiled_groups import SEEDS_NODE
+from planner.graph_build import LOSS_NODE
 from planner.ir import ActivationGraph, TrainingStep
 from planner.measurement import default_loss
 from planner.simulate import held_storages

@@ -136,7 +136,7 @@ def operator_groups(forward: Sequence[fx.Node], front: Sequence[fx.Node]) -> lis
     step constants, NOTE [step constants]) is a group of its own, first.
     """
     front_set = set(front)
-    groups: list[list[fx.Node]] = [list(front)] if front else []
+    groups: list[list[fx.Node]] = []
     pending: list[fx.Node] = []
     current_seq: object = None
     for node in forward:
@@ -146,18 +146,18 @@ def operator_groups(forward: Sequence[fx.Node], front: Sequence[fx.Node]) -> lis
         if seq is None:
             pending.append(node)
             continue
-        if len(groups) > bool(front) and seq == current_seq:
+        if groups and seq == current_seq:
             groups[-1] += [*pending, node]
         else:
             groups.append([*pending, node])
         pending = []
         current_seq = seq
     if pending:
-        if len(groups) > bool(front):
+        if groups:
             groups[-1] += pending
         else:
             groups.append(pending)
-    return groups
+    return [list(front), *groups] if front else groups
 
 
 def hoisted_operators(forward: Sequence[fx.Node], default_saved: Iterable[fx.Node]) -> list[fx.Node]:

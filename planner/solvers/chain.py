@@ -39,6 +39,17 @@ For a region [start, stop) under a policy, entered with `held_in`, `region_cost`
   measured residuals;
 - `recompute_ms`: forward time replayed in backward, and checkpoint's own time when checkpointed;
 - `held_out`: the storages crossing `stop` that are held after the region.
+
+NOTE [saved before made]: in a compiled step a node may save a storage that a *later* node makes.
+inductor fuses a ReLU's backward into the kernel of the BatchNorm before it, so the BatchNorm's
+backward step reads the ReLU's output; a residual block's output ReLU gets the next block's gradient
+through it. Such a storage crosses every boundary from its first saver on (`first_touch`): the region
+that saves it holds it and passes it on held, each region between that one and the one that makes it
+counts it in its backward points (`awaited_bytes`), and the region that makes it charges it, so that
+it is in the retained bytes from its making on, as in the simulator. Before this, the storage left
+the held set at the next boundary and was charged again by its next saver: ResNet's compiled
+no-checkpointing plan cost 14.1 MB of activations in the table against 9.9 MB simulated, and under a
+budget that no checkpointing fits, plans recomputed up to 9 %.
 """
 
 from __future__ import annotations
@@ -69,6 +80,7 @@ __all__ = [
     "RegionCost",
     "RegionCostSummary",
     "State",
+    "awaited_bytes",
     "boundary_depths",
     "build_chain",
     "keep_effect",
@@ -126,7 +138,8 @@ class Chain:
     last_use: dict[str, int]
     """Last node that reads or saves each storage (its producer if none does)."""
     crossing: dict[int, frozenset[str]]
-    """Per boundary: storages made before it and read or saved at or after it."""
+    """Per boundary: storages made or saved before it and read or saved at or after it (NOTE [saved
+    before made])."""
     gradient_bytes_from: tuple[int, ...]
     """Parameter-gradient bytes alive during backward of node i (produced by nodes i..n-1)."""
     sizes: dict[str, int]
@@ -244,12 +257,22 @@ def _ladders(
     return tuple(ladders)
 
 
+def _first_touch(graph: ActivationGraph, producer: dict[str, int]) -> dict[str, int]:
+    """Per storage a node makes: the first node that makes or saves it (NOTE [saved before made])."""
+    first = dict(producer)
+    for index, node in enumerate(graph.nodes):
+        for name in node.saves:
+            if name in first:
+                first[name] = min(first[name], index)
+    return first
+
+
 def _crossing(
-    boundaries: list[int], producer: dict[str, int], last_use: dict[str, int]
+    boundaries: list[int], first_touch: dict[str, int], last_use: dict[str, int]
 ) -> dict[int, frozenset[str]]:
     crossing: dict[int, set[str]] = {position: set() for position in boundaries}
-    for name, made_at in producer.items():
-        first = bisect.bisect_right(boundaries, made_at)
+    for name, touched_at in first_touch.items():
+        first = bisect.bisect_right(boundaries, touched_at)
         last = bisect.bisect_right(boundaries, last_use[name])
         for position in boundaries[first:last]:
             crossing[position].add(name)
@@ -280,7 +303,7 @@ def build_chain(graph: ActivationGraph) -> Chain:
         producer=producer,
         last_read=last_read,
         last_use=last_use,
-        crossing=_crossing(boundaries, producer, last_use),
+        crossing=_crossing(boundaries, _first_touch(graph, producer), last_use),
         gradient_bytes_from=tuple(gradient_bytes_from[: len(graph.nodes)]),
         sizes=storage_sizes(graph),
     )
@@ -357,17 +380,33 @@ def passing_bytes(chain: Chain, region: Region, held_in: frozenset[str]) -> int:
     return storage_bytes(chain, passing)
 
 
+def _made_by(chain: Chain, names: Iterable[str], start: int, stop: int) -> set[str]:
+    """The storages among `names` that nodes start..stop-1 make."""
+    return {name for name in names if start <= chain.producer.get(name, -1) < stop}
+
+
+def awaited_bytes(chain: Chain, region: Region, held_in: frozenset[str]) -> int:
+    """Bytes held before the region that a node after it makes (NOTE [saved before made]): not yet in
+    the bytes earlier regions retain, but alive through the region's backward."""
+    return storage_bytes(chain, _made_by(chain, held_in, region.stop, len(chain.graph.nodes)))
+
+
 def local_cost(chain: Chain, region: Region, held_in: frozenset[str]) -> RegionCost:
-    """`region_cost` without the storages passing by (see `passing_bytes`)."""
+    """`region_cost` without the storages passing by (see `passing_bytes`) or awaited (see
+    `awaited_bytes`)."""
     graph = chain.graph
     inputs = region_inputs(graph, region)
     held = {name: at for name, at in held_storages(graph, region).items() if name not in held_in}
+    # NOTE [saved before made]: held here and made later, or held earlier and made here
+    awaited = _made_by(chain, held, region.stop, len(graph.nodes))
+    arriving = dict.fromkeys(_made_by(chain, held_in, region.start, region.stop), region.start - 1)
     cached = cached_storages(graph, region)
     later = chain.crossing[region.stop]
-    forward = _forward_points(chain, region, inputs - held_in, set(held) | cached | later)
-    backward, recompute_ms = _backward_points(chain, region, held, cached)
+    made_before = {name for name in inputs - held_in if chain.producer.get(name, -1) < region.start}
+    forward = _forward_points(chain, region, made_before, set(held) | set(arriving) | cached | later)
+    backward, recompute_ms = _backward_points(chain, region, held | arriving, cached)
     return RegionCost(
-        charged_bytes=storage_bytes(chain, set(held) | cached),
+        charged_bytes=storage_bytes(chain, (set(held) - awaited) | set(arriving) | cached),
         points_bytes=tuple(forward) + tuple(backward),
         recompute_ms=recompute_ms,
         held_out=frozenset((held_in | set(held) | cached) & later),
@@ -383,11 +422,13 @@ def region_cost(chain: Chain, region: Region, *, held_in: frozenset[str]) -> Reg
     """
     local = local_cost(chain, region, held_in)
     passing = passing_bytes(chain, region, held_in)
+    awaited = awaited_bytes(chain, region, held_in)
     forward_count = region.stop - region.start
     points = local.points_bytes
     return RegionCost(
         charged_bytes=local.charged_bytes,
-        points_bytes=tuple(point + passing for point in points[:forward_count]) + points[forward_count:],
+        points_bytes=tuple(point + passing for point in points[:forward_count])
+        + tuple(point + awaited for point in points[forward_count:]),
         recompute_ms=local.recompute_ms,
         held_out=local.held_out,
     )

@@ -18,7 +18,14 @@ from planner.simulate import (
     region_inputs,
     replay_stop,
 )
-from planner.solvers.chain import Chain, RegionCost, RegionCostSummary, local_cost, storage_bytes
+from planner.solvers.chain import (
+    Chain,
+    RegionCost,
+    RegionCostSummary,
+    awaited_bytes,
+    local_cost,
+    storage_bytes,
+)
 
 __all__ = ["RegionCosts"]
 
@@ -46,8 +53,9 @@ class RegionCosts:
     Repeated blocks make regions that differ only in where they sit: each node reads and makes storages
     of the same sizes, at the same distances, with the same workspaces. Such regions share one cost,
     except for terms that depend on position and are added per region: the parameter gradients of
-    every later node (on each backward point), the forward times (recompute), the storages passing by
-    (on each forward point) and which crossing storages stay held (`held_out`).
+    every later node and the held storages a later node makes (on each backward point), the forward
+    times (recompute), the storages passing by (on each forward point) and which crossing storages stay
+    held (`held_out`).
 
     Each node gets a structure key: its workspaces and flags, the sizes of what it makes, and each storage
     it reads or saves named by (distance back to its producer, position among the producer's outputs);
@@ -70,6 +78,7 @@ class RegionCosts:
             self.operators_before.append(self.operators_before[-1] + node.operator_count)
         self._shapes: dict[Hashable, _Shape] = {}
         self._inputs: dict[tuple[int, int], frozenset[str]] = {}
+        self._entering: dict[tuple[int, int], frozenset[str]] = {}
         self._held: dict[tuple[int, int, RegionPolicy], frozenset[str]] = {}
 
     def _reference(self, name: str, index: int) -> Hashable:
@@ -113,6 +122,17 @@ class RegionCosts:
             )
         return self._inputs[key]
 
+    def entering(self, start: int, stop: int) -> frozenset[str]:
+        """Storages whose being held changes the region's cost: its inputs, and what it makes that an
+        earlier node saved (NOTE [saved before made] in chain.py)."""
+        key = (start, stop)
+        if key not in self._entering:
+            producer = self.chain.producer
+            crossing = self.chain.crossing[start]
+            made_here = {name for name in crossing if start <= producer.get(name, -1) < stop}
+            self._entering[key] = self.inputs(start, stop) | made_here
+        return self._entering[key]
+
     def held_out(self, region: Region, held_in: frozenset[str]) -> frozenset[str]:
         """Crossing storages held after a keep-free `region` entered with `held_in`."""
         key = (region.start, region.stop, region.policy)
@@ -140,7 +160,7 @@ class RegionCosts:
         """The region's shape (costed with only its held inputs, so no passing storage) and the bytes
         passing by, which its forward points add."""
         assert not region.keep, "structure keys describe keep-free regions"
-        held_inputs = held_in & self.inputs(region.start, region.stop)
+        held_inputs = held_in & self.entering(region.start, region.stop)
         held_key = tuple(sorted(repr(self._reference(name, region.start)) for name in held_inputs))
         nodes = self.chain.graph.nodes
         # A replay at the region's last node sees the gradients in flight from the node after it.
@@ -167,7 +187,11 @@ class RegionCosts:
         """`region_cost(chain, region, held_in=...)`, from its shape when one was costed: the backward
         points shifted by the gradients of later nodes, the forward ones by the passing storages."""
         shape, passing = self._costed_shape(region, held_in)
-        shift = self._later_gradient_bytes(region.stop) - shape.later_gradient_bytes
+        shift = (
+            self._later_gradient_bytes(region.stop)
+            - shape.later_gradient_bytes
+            + awaited_bytes(self.chain, region, held_in)
+        )
         forward_count = region.stop - region.start
         points = tuple(point + passing for point in shape.cost.points_bytes[:forward_count]) + tuple(
             point + shift for point in shape.cost.points_bytes[forward_count:]
@@ -194,7 +218,9 @@ class RegionCosts:
         return RegionCostSummary(
             peak_bytes=max(
                 shape.forward_peak_bytes + passing,
-                shape.backward_peak_bytes + self._later_gradient_bytes(region.stop),
+                shape.backward_peak_bytes
+                + self._later_gradient_bytes(region.stop)
+                + awaited_bytes(self.chain, region, held_in),
             ),
             charged_bytes=shape.charged_bytes,
             recompute_ms=self._recompute_ms(region, shape),

@@ -185,6 +185,18 @@ def random_dag(rng: random.Random, length: int) -> ActivationGraph:
     )
 
 
+def saved_before_made(graph: ActivationGraph, rng: random.Random) -> ActivationGraph:
+    """`graph` with some nodes also saving what one of the next three nodes makes, as inductor's fused
+    backward kernels do (NOTE [saved before made] in planner/solvers/chain.py)."""
+    nodes = list(graph.nodes)
+    for index in range(len(nodes) - 2):
+        if rng.random() < 0.4:
+            later = rng.randint(index + 1, min(index + 3, len(nodes) - 2))
+            saves = (*nodes[index].saves, *nodes[later].creates)
+            nodes[index] = dataclasses.replace(nodes[index], saves=saves, saves_anything=True)
+    return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
 def with_split_call(graph: ActivationGraph, start: int, stop: int, caller: str = "mixer") -> ActivationGraph:
     """`graph` with nodes [start, stop) made the parts of one split call (NOTE [split calls] in
     simulate.py): glue at even offsets, child calls between them."""

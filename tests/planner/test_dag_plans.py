@@ -1,5 +1,6 @@
 """Plans on DAG-shaped graphs: region costs entered with held storages compose to the simulated peak,
-and `dp` finds the brute-force optimum over every tiling of the nodes (NOTE [held storages])."""
+and `dp` finds the brute-force optimum over every tiling of the nodes (NOTE [held storages]), also
+where nodes save what later nodes make, as compiled steps do (NOTE [saved before made])."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
 from planner.simulate import simulate
 from planner.solvers import _tables, lowest_peak, solve
 from planner.solvers.chain import region_cost
-from tests.planner.synthetic_graphs import all_schedules, random_dag
+from tests.planner.synthetic_graphs import all_schedules, random_dag, saved_before_made
 
-DAGS = {f"dag-{seed}": random_dag(random.Random(seed), 7) for seed in range(8)}
+DAGS = {f"dag-{seed}": random_dag(random.Random(seed), 7) for seed in range(8)} | {
+    f"saved-before-made-{seed}": saved_before_made(
+        random_dag(random.Random(seed), 7), random.Random(100 + seed)
+    )
+    for seed in range(4, 8)
+}
 
 
 def activation_peak_bytes(graph: ActivationGraph, schedule: Schedule) -> int:

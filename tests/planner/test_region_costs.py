@@ -11,7 +11,7 @@ from planner.solvers.chain import Chain, build_chain, region_cost
 from planner.solvers.dp import region_costs, tabulate
 from planner.solvers.region_costs import RegionCosts
 from planner.synthetic import residual_graph
-from tests.planner.synthetic_graphs import random_chain
+from tests.planner.synthetic_graphs import random_chain, saved_before_made
 
 GRAPHS = {
     "residual, every block drawn": lambda: residual_graph(node_count=301, nodes_per_block=6),
@@ -22,6 +22,9 @@ GRAPHS = {
         node_count=301, nodes_per_block=6, distinct_blocks=3
     ),
     "random chain": lambda: random_chain(random.Random(4), 11),
+    "residual, saving what later nodes make": lambda: saved_before_made(
+        residual_graph(node_count=301, nodes_per_block=6, distinct_blocks=3), random.Random(5)
+    ),
 }
 
 

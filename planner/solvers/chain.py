@@ -85,6 +85,7 @@ __all__ = [
     "build_chain",
     "keep_effect",
     "local_cost",
+    "made_by",
     "passing_bytes",
     "region_cost",
     "storage_bytes",
@@ -380,7 +381,7 @@ def passing_bytes(chain: Chain, region: Region, held_in: frozenset[str]) -> int:
     return storage_bytes(chain, passing)
 
 
-def _made_by(chain: Chain, names: Iterable[str], start: int, stop: int) -> set[str]:
+def made_by(chain: Chain, names: Iterable[str], start: int, stop: int) -> set[str]:
     """The storages among `names` that nodes start..stop-1 make."""
     return {name for name in names if start <= chain.producer.get(name, -1) < stop}
 
@@ -388,7 +389,7 @@ def _made_by(chain: Chain, names: Iterable[str], start: int, stop: int) -> set[s
 def awaited_bytes(chain: Chain, region: Region, held_in: frozenset[str]) -> int:
     """Bytes held before the region that a node after it makes (NOTE [saved before made]): not yet in
     the bytes earlier regions retain, but alive through the region's backward."""
-    return storage_bytes(chain, _made_by(chain, held_in, region.stop, len(chain.graph.nodes)))
+    return storage_bytes(chain, made_by(chain, held_in, region.stop, len(chain.graph.nodes)))
 
 
 def local_cost(chain: Chain, region: Region, held_in: frozenset[str]) -> RegionCost:
@@ -398,8 +399,8 @@ def local_cost(chain: Chain, region: Region, held_in: frozenset[str]) -> RegionC
     inputs = region_inputs(graph, region)
     held = {name: at for name, at in held_storages(graph, region).items() if name not in held_in}
     # NOTE [saved before made]: held here and made later, or held earlier and made here
-    awaited = _made_by(chain, held, region.stop, len(graph.nodes))
-    arriving = dict.fromkeys(_made_by(chain, held_in, region.start, region.stop), region.start - 1)
+    awaited = made_by(chain, held, region.stop, len(graph.nodes))
+    arriving = dict.fromkeys(made_by(chain, held_in, region.start, region.stop), region.start - 1)
     cached = cached_storages(graph, region)
     later = chain.crossing[region.stop]
     made_before = {name for name in inputs - held_in if chain.producer.get(name, -1) < region.start}

@@ -24,6 +24,7 @@ from planner.solvers.chain import (
     RegionCostSummary,
     awaited_bytes,
     local_cost,
+    made_by,
     storage_bytes,
 )
 
@@ -127,9 +128,7 @@ class RegionCosts:
         earlier node saved (NOTE [saved before made] in chain.py)."""
         key = (start, stop)
         if key not in self._entering:
-            producer = self.chain.producer
-            crossing = self.chain.crossing[start]
-            made_here = {name for name in crossing if start <= producer.get(name, -1) < stop}
+            made_here = made_by(self.chain, self.chain.crossing[start], start, stop)
             self._entering[key] = self.inputs(start, stop) | made_here
         return self._entering[key]
 

@@ -340,7 +340,9 @@ def test_a_step_dynamo_splits_is_planned_eagerly_compiled_and_measured(fraction:
     is compiled as it is, with its compiled pieces saving what eager autograd saves, so the compiled
     peak is the eager prediction within a few bytes (inductor's own partition saved a 128 KiB ReLU
     mask beside the output the next Linear keeps: plans measured up to 252 KiB over and were made
-    again); the plan fits the budget and trains as the compiled model does."""
+    again); the plan fits the budget and trains as the compiled model does. At the eager step's peak
+    nothing is checkpointed and the model itself is compiled (its planned module measured 1 KiB over
+    and a region was checkpointed for it)."""
     model, inputs = zoo.build_model("untraceable_mlp")
     eager = plan_compiled_step(
         model, inputs, {}, budget_bytes=HUGE_BUDGET_BYTES, optimizer="adam", step=TrainingStep(),
@@ -354,6 +356,9 @@ def test_a_step_dynamo_splits_is_planned_eagerly_compiled_and_measured(fraction:
     measured = planner.measure(plan.module, inputs).peak_bytes
     assert measured == plan.compiled.measured_peak_bytes and measured <= budget, plan.summary()
     assert abs(measured - plan.predicted_peak_bytes) <= 4096, plan.summary()
+    if fraction == 1.0:  # the eager peak fits: the model itself compiled once, measured as predicted
+        assert not plan.regions and plan.compiled.attempts == 1, plan.summary()
+        assert measured == plan.predicted_peak_bytes, plan.summary()
     model.zero_grad(set_to_none=True)
     expected_loss, expected = _gradients(torch.compile(model), list(model.parameters()), inputs)
     loss, gradients = _gradients(plan.module, list(model.parameters()), inputs)

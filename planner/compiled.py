@@ -285,23 +285,24 @@ def _step_flushing(planning: CompiledPlanning, enter_context: Callable[..., None
     return entering
 
 
+def _operator_names(node: Any) -> set[str]:
+    """Names of the FX operators a scheduler node computes."""
+    return {
+        origin.name
+        for part in node.get_nodes()
+        if part.node is not None
+        for origin in part.node.get_origins()
+    }
+
+
 def _steps_of(node: Any, steps: Mapping[str, int]) -> set[int]:
     """The backward steps of the FX operators a scheduler node computes (those the plan knows)."""
-    found: set[int] = set()
-    for part in node.get_nodes():
-        if part.node is not None:
-            found |= {steps[origin.name] for origin in part.node.get_origins() if origin.name in steps}
-    return found
+    return {steps[name] for name in _operator_names(node) if name in steps}
 
 
 def _replays(node: Any, replayed: frozenset[str]) -> bool:
     """Whether a scheduler node computes a forward operator the backward replays."""
-    return any(
-        origin.name in replayed
-        for part in node.get_nodes()
-        if part.node is not None
-        for origin in part.node.get_origins()
-    )
+    return not replayed.isdisjoint(_operator_names(node))
 
 
 @contextlib.contextmanager

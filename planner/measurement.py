@@ -186,8 +186,8 @@ class AllocatorPhases:
     def __enter__(self) -> AllocatorPhases:
         # The CPU allocator remembers the size of a block allocated under an earlier memory profile
         # and reports its free in this one: garbage from an earlier measurement (an optimizer's
-        # state in a reference cycle) collected inside this window would lower the live bytes, and a
-        # compiled peer measured 4.2 MB under its peak in a CI run. Collect it before the window.
+        # state in a reference cycle) collected inside this window lowers the live bytes, most
+        # likely why a compiled peer measured 4.2 MB under its peak in one CI run. Collect it first.
         gc.collect()
         self._profiler.__enter__()
         return self

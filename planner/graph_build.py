@@ -41,7 +41,12 @@ from planner.measurement import (
     tensors_in,
 )
 from planner.profiling_records import RANDOM_FUNCTIONS, RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
-from planner.selective_cost import CheckpointCost, measure_checkpoint_cost, measure_selective_op_overhead_ms
+from planner.selective_cost import (
+    CheckpointCost,
+    draws_random_numbers,
+    measure_checkpoint_cost,
+    measure_selective_op_overhead_ms,
+)
 from planner.simulate import simulate, store_everything
 from planner.split_calls import SplitCall, split_calls, static_split_calls
 from planner.static_memory import constant_bytes, extra_static_tensors, optimizer_name, static_bytes
@@ -79,26 +84,14 @@ def _flags(node: fx.Node, graph_module: fx.GraphModule) -> dict[str, bool]:
     target_name = getattr(node.target, "__name__", str(node.target))
     schema = getattr(node.target, "_schema", None)  # ATen operators (torch.export graphs)
     return {
-        "random": node.target in RANDOM_FUNCTIONS or _draws_random_numbers(node),
+        "random": (
+            node.target in RANDOM_FUNCTIONS or draws_random_numbers(node.target, node.args, node.kwargs)
+        ),
         "stateful": False,
         "in_place": bool(node.kwargs.get("inplace", False))
         or (node.op == "call_method" and target_name.endswith("_"))
         or (schema is not None and schema.is_mutable),
     }
-
-
-def _draws_random_numbers(node: fx.Node) -> bool:
-    """An ATen operator tagged as seeded (dropout, bernoulli, ...); attention only with dropout_p > 0."""
-    tags = getattr(node.target, "tags", ())
-    if torch.Tag.nondeterministic_seeded not in tags:
-        return False
-    schema = node.target._schema  # type: ignore[union-attr]
-    names = [argument.name for argument in schema.arguments]
-    if "dropout_p" not in names:
-        return True
-    position = names.index("dropout_p")
-    dropout_p = node.args[position] if len(node.args) > position else node.kwargs.get("dropout_p", 0.0)
-    return not isinstance(dropout_p, int | float) or dropout_p > 0
 
 
 class _ProfilingInterpreter(fx.Interpreter):

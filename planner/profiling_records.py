@@ -149,13 +149,15 @@ class ProfilingTracker(LiveStorageTracker):
 
 
 class Meters:
-    """FLOPs and dispatched operators of the code run under it, charged to one node after another."""
+    """FLOPs, dispatched operators and random draws of the code run under it, charged to one node after
+    another (a node that draws is `random`, whatever its code: a split call's glue calling dropout)."""
 
     def __init__(self, *, counting: bool) -> None:
         self.flops = FlopCounterMode(display=False) if counting else None
         self.operators = OperatorCounter()
         self.charged_flops = 0
         self.charged_operators = 0
+        self.charged_random = 0
         self._stack = ExitStack()
 
     def __enter__(self) -> Meters:
@@ -177,8 +179,10 @@ class Meters:
         flops, operators = self.flops.get_total_flops(), self.operators.count
         record.forward_flops = flops - self.charged_flops
         record.operator_count = max(1, operators - self.charged_operators)
+        record.random = record.random or self.operators.random_count > self.charged_random
         record.moved_bytes = moved_bytes(inputs, output) if glue_moved_bytes is None else glue_moved_bytes
         self.charged_flops, self.charged_operators = flops, operators
+        self.charged_random = self.operators.random_count
 
 
 def _tensor_bytes(value: Any) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,15 +86,30 @@ def saved_when_kept(operator: Any) -> bool:
 
 
 class OperatorCounter(TorchDispatchMode):
-    """Counts the operators dispatched under it (each is one callback of a selective policy)."""
+    """Counts the operators dispatched under it (each is one callback of a selective policy), and those
+    that draw random numbers."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.random_count = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.count += 1
+        self.random_count += draws_random_numbers(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
+
+
+def draws_random_numbers(operator: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """An ATen operator tagged as seeded (dropout, bernoulli, ...); attention only with dropout_p > 0."""
+    if torch.Tag.nondeterministic_seeded not in getattr(operator, "tags", ()):
+        return False
+    names = [argument.name for argument in operator._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    position = names.index("dropout_p")
+    dropout_p = args[position] if len(args) > position else kwargs.get("dropout_p", 0.0)
+    return not isinstance(dropout_p, int | float) or dropout_p > 0
 
 
 def _chain(x: torch.Tensor, weights: dict[str, torch.Tensor], blocks: int = CHAIN_BLOCKS) -> torch.Tensor:

@@ -92,16 +92,18 @@ from torch.utils._pytree import tree_map
 
 from planner.backward_order import order_backward
 from planner.compiled_graph import LossProfile, build_compiled_graph, retained_storages, saved_values
-from planner.compiled_split import SplitPlanning, eager_profile, optimize_split, splits
+from planner.compiled_split import SplitPlanning, eager_profile, optimize_split, split_sites
 from planner.compiled_step import (
     MAX_ATTEMPTS,
     ExampleStep,
     PlanOnly,
     SplitStep,
+    break_sites,
     checked_peak_bytes,
     compile_step,
     dynamo_settings,
     graph_breaks,
+    recorded_breaks,
     replanned_budget_bytes,
     split_text,
 )
@@ -159,6 +161,9 @@ class CompiledPlanning(CustomPartitionerFn):
     means the step is split (NOTE [graph breaks]). A recompile later (another shape, another grad
     mode) is planned on its own."""
     compiling_example: bool = False
+    breaks_from: int = 0
+    """How many graph breaks dynamo had recorded when the example step started compiling: those after
+    are this step's (`SplitStep.sites`)."""
     backward_steps: dict[str, int] = field(default_factory=dict)
     """Each operator of the planned backward graph -> the node whose backward step runs it (NOTE
     [horizontal fusion])."""
@@ -323,7 +328,8 @@ def _backend(planning: CompiledPlanning) -> Callable[..., Any]:
         if planning.compiling_example:
             planning.graphs += 1
             if planning.graphs > 1:
-                raise SplitStep(split_text(graph_breaks()))
+                sites = break_sites(recorded_breaks()[planning.breaks_from :])
+                raise SplitStep(split_text(graph_breaks()), sites)
         # the backward compiled here too, not at its first run, so that _PlannedFusion is asked
         with (
             torch._functorch.config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True),
@@ -421,12 +427,12 @@ def optimize_compiled(
     started = time.perf_counter()
     call, request = _prepare(model, inputs, kwargs, budget_bytes, optimizer, step, loss_fn, solver, device)
     planning_s = 0.0
-    reasons = ""
+    split: SplitStep | None = None
     for attempt in range(1, MAX_ATTEMPTS + 1):
         try:
             plan, module, spent_s = _plan_and_compile(call, request)
-        except SplitStep as split:
-            reasons = split.reasons
+        except SplitStep as raised:
+            split = raised
             break
         planning_s += spent_s
         measured_bytes = checked_peak_bytes(plan, module, call)
@@ -434,9 +440,9 @@ def optimize_compiled(
             break
         lowered_bytes = replanned_budget_bytes(plan, budget_bytes, request.budget_bytes, measured_bytes)
         request = dataclasses.replace(request, budget_bytes=lowered_bytes)
-    if reasons:  # outside the handler, so that no later error chains to the split
-        eager = SplitPlanning(request.budget_bytes, request.solver, optimizer, request.step)
-        return optimize_split(call, eager, reasons, started)
+    if split is not None:  # outside the handler, so that no later error chains to the split
+        eager = SplitPlanning(request.budget_bytes, request.solver, optimizer, request.step, split.sites)
+        return optimize_split(call, eager, split.reasons, started)
     plan.module = module
     plan.budget_bytes = budget_bytes
     plan.compiled = CompiledStep(
@@ -467,8 +473,9 @@ def plan_compiled_step(
     nothing is measured; the lowest and no-checkpointing peaks cost seconds, not a compile. A step dynamo
     splits gets the eager plan `optimize` would start from (NOTE [graph breaks])."""
     call, request = _prepare(model, inputs, kwargs, budget_bytes, optimizer, step, loss_fn, solver, device)
-    if splits(call):
-        plan = eager_profile(call, optimizer, step).plan(budget_bytes=budget_bytes, solver=solver)
+    sites = split_sites(call)
+    if sites is not None:
+        plan = eager_profile(call, optimizer, step, sites).plan(budget_bytes=budget_bytes, solver=solver)
         plan.module = None
         return plan
     planning = CompiledPlanning(request, plan_only=True)
@@ -514,6 +521,7 @@ def _plan_and_compile(call: ExampleStep, request: _Request) -> tuple[Plan, torch
     planning = CompiledPlanning(request)
     module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), dynamic=False))
     breaks_before = graph_breaks()
+    planning.breaks_from = len(recorded_breaks())
     planning.compiling_example = True
     try:
         with dynamo_settings():
@@ -522,7 +530,7 @@ def _plan_and_compile(call: ExampleStep, request: _Request) -> tuple[Plan, torch
         planning.compiling_example = False
     breaks = graph_breaks() - breaks_before
     if breaks:
-        raise SplitStep(split_text(breaks))
+        raise SplitStep(split_text(breaks), break_sites(recorded_breaks()[planning.breaks_from :]))
     if not planning.plans:
         raise UnsupportedModel(
             "torch.compile made no graph of this step that needs a backward: nothing of the compiled step "

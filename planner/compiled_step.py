@@ -29,6 +29,7 @@ __all__ = [
     "DYNAMO_LIMITS",
     "LOG_METHODS",
     "MAX_ATTEMPTS",
+    "BreakSite",
     "ExampleStep",
     "PlanOnly",
     "SplitStep",
@@ -36,7 +37,9 @@ __all__ = [
     "checked_peak_bytes",
     "compile_step",
     "dynamo_settings",
+    "break_sites",
     "graph_breaks",
+    "recorded_breaks",
     "log_methods",
     "lowered_budget_bytes",
     "planner_cause",
@@ -49,12 +52,36 @@ class PlanOnly(Exception):
     """Raised by a `plan_only` partitioner once it has planned, to stop the compile there."""
 
 
-class SplitStep(Exception):
-    """Raised where dynamo breaks the step's graph, to stop the compile there (NOTE [graph breaks])."""
+BreakSite = tuple[str, int]
+"""A (file, line) on the stack of one of dynamo's graph breaks: the break happened inside that frame."""
 
-    def __init__(self, reasons: str) -> None:
+
+class SplitStep(Exception):
+    """Raised where dynamo breaks the step's graph, to stop the compile there (NOTE [graph breaks]);
+    `sites` are the breaks' stacks (NOTE [checkpointed breaks] in compiled_split.py)."""
+
+    def __init__(self, reasons: str, sites: frozenset[BreakSite] = frozenset()) -> None:
         super().__init__(reasons)
         self.reasons = reasons
+        self.sites = sites
+
+
+def recorded_breaks() -> list[Any]:
+    """Every graph break dynamo has recorded in this process with its stack (`GraphCompileReason`s, in
+    order; `torch._dynamo.reset` clears them)."""
+    from torch._dynamo.utils import graph_break_reasons
+
+    return graph_break_reasons
+
+
+def break_sites(breaks: Iterable[Any]) -> frozenset[BreakSite]:
+    """The frames on the stacks of `breaks` (dynamo's `GraphCompileReason`s)."""
+    return frozenset(
+        (frame.filename, frame.lineno)
+        for reason in breaks
+        for frame in reason.user_stack
+        if frame.lineno is not None
+    )
 
 
 def graph_breaks() -> Counter[str]:

@@ -39,7 +39,7 @@ from planner.simulate import selective_overhead_ms, simulate, store_everything
 from planner.solvers import lowest_peak
 
 if TYPE_CHECKING:
-    from planner.plan import Plan
+    from planner.plan import CompiledStep, Plan
 
 __all__ = [
     "CANNOT_HELP_FRACTION",
@@ -160,6 +160,24 @@ class Lever:
     assumption: str
 
 
+def _eager_draw_rows(compiled: CompiledStep) -> list[str]:
+    """Which whole calls of a split step a plan keeps from checkpointing, or checkpoints all the same
+    (NOTE [checkpointed breaks] in compiled_split.py)."""
+    checkpointed = compiled.checkpointed_draw_calls
+    if checkpointed:
+        return [
+            f"  checkpointed whole although dynamo breaks inside: {', '.join(checkpointed)}; no plan",
+            "  without it fits: it runs eagerly and draws other random numbers than compiled no",
+            "  checkpointing (its gradients are those of its own forward),",
+        ]
+    if compiled.eager_draw_calls:
+        return [
+            f"  not checkpointed whole: {', '.join(compiled.eager_draw_calls)} (dynamo breaks inside, so a",
+            "  checkpoint would run it eagerly and draw other random numbers than the compiled step),",
+        ]
+    return []
+
+
 def _source_rows(plan: Plan) -> list[str]:
     """Where the figures come from: a profiled eager step, or the compiled step's joint graph and the
     peak `optimize(..., compile=True)` measured."""
@@ -177,6 +195,7 @@ def _source_rows(plan: Plan) -> list[str]:
             "  its compiled pieces save what eager autograd saves, so figures are predicted for the eager",
             f"  step ({_timing_note(plan.graph.timing)}),",
         ]
+        rows += _eager_draw_rows(compiled)
     else:
         rows = [
             "  figures are predicted by the simulator from the joint graph inductor partitions "

@@ -77,6 +77,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -92,18 +93,17 @@ from torch.utils._pytree import tree_map
 
 from planner.backward_order import order_backward
 from planner.compiled_graph import LossProfile, build_compiled_graph, retained_storages, saved_values
-from planner.compiled_split import SplitPlanning, eager_profile, optimize_split, split_sites
+from planner.compiled_split import SplitPlanning, eager_profile, optimize_split, splits
 from planner.compiled_step import (
     MAX_ATTEMPTS,
     ExampleStep,
     PlanOnly,
     SplitStep,
-    break_sites,
     checked_peak_bytes,
     compile_step,
     dynamo_settings,
     graph_breaks,
-    recorded_breaks,
+    raise_if_over,
     replanned_budget_bytes,
     split_text,
 )
@@ -161,9 +161,9 @@ class CompiledPlanning(CustomPartitionerFn):
     means the step is split (NOTE [graph breaks]). A recompile later (another shape, another grad
     mode) is planned on its own."""
     compiling_example: bool = False
-    breaks_from: int = 0
-    """How many graph breaks dynamo had recorded when the example step started compiling: those after
-    are this step's (`SplitStep.sites`)."""
+    breaks_before: Counter[str] = field(default_factory=Counter)
+    """Graph breaks dynamo had counted in this process when the example step started compiling: the
+    step's own are those counted since (a split's reasons name no earlier model's break)."""
     backward_steps: dict[str, int] = field(default_factory=dict)
     """Each operator of the planned backward graph -> the node whose backward step runs it (NOTE
     [horizontal fusion])."""
@@ -328,8 +328,7 @@ def _backend(planning: CompiledPlanning) -> Callable[..., Any]:
         if planning.compiling_example:
             planning.graphs += 1
             if planning.graphs > 1:
-                sites = break_sites(recorded_breaks()[planning.breaks_from :])
-                raise SplitStep(split_text(graph_breaks()), sites)
+                raise SplitStep(split_text(graph_breaks() - planning.breaks_before))
         # the backward compiled here too, not at its first run, so that _PlannedFusion is asked
         with (
             torch._functorch.config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True),
@@ -422,27 +421,32 @@ def optimize_compiled(
     inputs (the optimizer step runs eagerly and is predicted as for eager plans). Where the measured
     peak exceeds the budget, the model of inductor's memory missed something: the plan is made and
     compiled again under a lower budget (`lowered_budget_bytes`), at most `MAX_ATTEMPTS` times in all.
-    A budget that even the lowest plan measures above raises `InfeasibleBudget` with that measurement.
+    A budget that even the lowest plan measures above raises `InfeasibleBudget` with that measurement,
+    and so does one the last attempt still measures above (with the lowest measurement: a plan whose
+    compiled peak is over the budget is never returned).
     """
     started = time.perf_counter()
     call, request = _prepare(model, inputs, kwargs, budget_bytes, optimizer, step, loss_fn, solver, device)
     planning_s = 0.0
-    split: SplitStep | None = None
+    reasons = ""
+    measurements: list[int] = []
     for attempt in range(1, MAX_ATTEMPTS + 1):
         try:
             plan, module, spent_s = _plan_and_compile(call, request)
-        except SplitStep as raised:
-            split = raised
+        except SplitStep as split:
+            reasons = split.reasons
             break
         planning_s += spent_s
         measured_bytes = checked_peak_bytes(plan, module, call)
+        measurements += [] if measured_bytes is None else [measured_bytes]
         if measured_bytes is None or measured_bytes <= budget_bytes or attempt == MAX_ATTEMPTS:
             break
         lowered_bytes = replanned_budget_bytes(plan, budget_bytes, request.budget_bytes, measured_bytes)
         request = dataclasses.replace(request, budget_bytes=lowered_bytes)
-    if split is not None:  # outside the handler, so that no later error chains to the split
-        eager = SplitPlanning(request.budget_bytes, request.solver, optimizer, request.step, split.sites)
-        return optimize_split(call, eager, split.reasons, started)
+    if reasons:  # outside the handler, so that no later error chains to the split
+        eager = SplitPlanning(request.budget_bytes, request.solver, optimizer, request.step)
+        return optimize_split(call, eager, reasons, started)
+    raise_if_over(plan, budget_bytes, measurements)
     plan.module = module
     plan.budget_bytes = budget_bytes
     plan.compiled = CompiledStep(
@@ -473,9 +477,8 @@ def plan_compiled_step(
     nothing is measured; the lowest and no-checkpointing peaks cost seconds, not a compile. A step dynamo
     splits gets the eager plan `optimize` would start from (NOTE [graph breaks])."""
     call, request = _prepare(model, inputs, kwargs, budget_bytes, optimizer, step, loss_fn, solver, device)
-    sites = split_sites(call)
-    if sites is not None:
-        plan = eager_profile(call, optimizer, step, sites).plan(budget_bytes=budget_bytes, solver=solver)
+    if splits(call):
+        plan = eager_profile(call, optimizer, step).plan(budget_bytes=budget_bytes, solver=solver)
         plan.module = None
         return plan
     planning = CompiledPlanning(request, plan_only=True)
@@ -520,17 +523,16 @@ def _plan_and_compile(call: ExampleStep, request: _Request) -> tuple[Plan, torch
     """Compile `call.model` with a planning partitioner; its plan, the compiled module, seconds planning."""
     planning = CompiledPlanning(request)
     module = cast(torch.nn.Module, torch.compile(call.model, backend=_backend(planning), dynamic=False))
-    breaks_before = graph_breaks()
-    planning.breaks_from = len(recorded_breaks())
+    planning.breaks_before = graph_breaks()
     planning.compiling_example = True
     try:
         with dynamo_settings():
             compile_step(module, call)
     finally:
         planning.compiling_example = False
-    breaks = graph_breaks() - breaks_before
+    breaks = graph_breaks() - planning.breaks_before
     if breaks:
-        raise SplitStep(split_text(breaks), break_sites(recorded_breaks()[planning.breaks_from :]))
+        raise SplitStep(split_text(breaks))
     if not planning.plans:
         raise UnsupportedModel(
             "torch.compile made no graph of this step that needs a backward: nothing of the compiled step "

@@ -31,27 +31,25 @@ is not logged from the compiled step; a recompile later (another shape) runs und
 dynamo settings. Shapes are static (`dynamic=False`): a call with other shapes recompiles, and that
 graph is planned on its own.
 
-NOTE [checkpointed breaks]: dynamo cannot split a checkpoint at a graph break: a checkpointed region
-whose code breaks runs eagerly, whole (torch.utils.checkpoint's own replay), where compiled no
-checkpointing compiles the code on either side of the break. Eager dropout draws its mask from the
-generator, inductor's from seeds it takes from the generator once per graph, so the region's masks
-differ from the compiled step's, and so do all drawn after it. Tried on five residual MLP blocks of
-width 128 whose third checks its output for NaN (batch 32 x 64, one-off script): at 0.1 and 0.3 of
-the range the plan checkpointed that block's whole call, and its loss was 5819.75 against compiled no
-checkpointing's 5857.53, gradients 2.5 % apart (those of its own forward); at 0.5 and 0.7, with no
-such region, loss and gradients were equal. So a split call whose module's forward is on a break's
-stack (`SplitStep.sites`, `split_sites`) and that draws random numbers (profiling counts seeded
-operators in each part, its own code's `F.dropout` included) is planned whole only where no plan
-without it fits the budget (`SplitProfile.plan`), and the summary names it either way. A checkpoint
-of one child call that does not break stays in the graph dynamo compiles, with the compiled step's
-numbers. The price is memory: that model's lowest peak without the whole call was 38.4 MB against
-28.9 with it, so budgets between the two get the whole call and its own masks.
+NOTE [eager draws]: a checkpointed region that holds a whole split call runs eagerly when its module
+is compiled (NOTE [checkpointed breaks] in rewrite.py: dynamo cannot split a checkpoint at a graph
+break, and such code is where it breaks). Eager dropout draws its mask from the generator, inductor's
+from seeds it takes from the generator once per graph, so that region's masks differ from the
+compiled step's, and so do all drawn after it. Tried on five residual MLP blocks of width 128 whose
+third checks its output for NaN (batch 32 x 64, one-off script): at 0.1 and 0.3 of the range the plan
+checkpointed that block's whole call, and its loss was 5819.75 against compiled no checkpointing's
+5857.53, gradients 2.5 % apart (those of its own forward); at 0.5 and 0.7, with no such region, loss
+and gradients were equal. So a split call that draws random numbers (profiling counts the seeded
+operators each part dispatches, its own code's `F.dropout` included) is checkpointed whole only where
+no plan without it fits the budget (`SplitProfile.plan`), and the summary names it either way. A
+checkpoint of one child call stays in the graph dynamo compiles, with the compiled step's numbers.
+The price is memory: that model's lowest peak without the whole call was 38.4 MB against 28.9 with
+it, so budgets between the two get the whole call and its own masks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -63,12 +61,11 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from planner.compiled_step import (
     MAX_ATTEMPTS,
-    BreakSite,
     ExampleStep,
-    break_sites,
     checked_peak_bytes,
     compile_step,
     dynamo_settings,
+    raise_if_over,
     replanned_budget_bytes,
 )
 from planner.errors import InfeasibleBudget
@@ -81,11 +78,11 @@ __all__ = [
     "EagerSaving",
     "SplitPlanning",
     "compiled_pieces",
+    "SplitProfile",
     "eager_draws",
     "eager_profile",
     "optimize_split",
-    "SplitProfile",
-    "split_sites",
+    "splits",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,32 +90,27 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SplitPlanning:
-    """What a split step is planned for: the user's budget, the solver, the step around it, and where
-    dynamo broke its graph."""
+    """What a split step is planned for: the user's budget, the solver, and the step around it."""
 
     budget_bytes: int
     solver: str
     optimizer: OptimizerSpec
     step: TrainingStep
-    sites: frozenset[BreakSite]
 
 
-def split_sites(call: ExampleStep) -> frozenset[BreakSite] | None:
-    """Where dynamo breaks the step's graph, or None where it makes one graph of it (its trace, without
-    compiling: `torch._dynamo.explain`)."""
+def splits(call: ExampleStep) -> bool:
+    """Whether dynamo breaks the step's graph (its trace, without compiling: `torch._dynamo.explain`)."""
     from planner.graph_build import preserved_state
 
     with preserved_state(call.model), dynamo_settings():
         explanation = torch._dynamo.explain(call.model)(*call.inputs, **call.kwargs)
-    if explanation.graph_break_count == 0 and explanation.graph_count <= 1:
-        return None
-    return break_sites(explanation.break_reasons)
+    return explanation.graph_break_count > 0 or explanation.graph_count > 1
 
 
 @dataclass(frozen=True)
 class SplitProfile:
     """A split step's eager profile, and the split calls that a checkpoint would run eagerly while they
-    draw random numbers (NOTE [checkpointed breaks]): `refused` is the profile whose plans checkpoint
+    draw random numbers (NOTE [eager draws]): `refused` is the profile whose plans checkpoint
     none of them whole."""
 
     profiled: Profile
@@ -128,7 +120,7 @@ class SplitProfile:
 
     def plan(self, *, budget_bytes: int, solver: str) -> Plan:
         """The least recompute with the compiled step's random numbers, or where no such plan fits the
-        budget, the least recompute (NOTE [checkpointed breaks])."""
+        budget, the least recompute (NOTE [eager draws])."""
         try:
             return self.refused.plan(budget_bytes=budget_bytes, solver=solver)
         except InfeasibleBudget:
@@ -150,11 +142,9 @@ class SplitProfile:
         )
 
 
-def eager_profile(
-    call: ExampleStep, optimizer: OptimizerSpec, step: TrainingStep, sites: frozenset[BreakSite]
-) -> SplitProfile:
+def eager_profile(call: ExampleStep, optimizer: OptimizerSpec, step: TrainingStep) -> SplitProfile:
     """The eager step profiled, as `optimize(..., compile=False)` profiles it (NOTE [graph breaks]), and
-    the whole calls a checkpoint would run eagerly while they draw random numbers."""
+    the whole calls that would draw the eager step's random numbers (NOTE [eager draws])."""
     profiled = profile(
         call.model,
         call.inputs,
@@ -163,7 +153,7 @@ def eager_profile(
         step=step,
         loss_fn=call.loss_fn,
     )
-    draws = eager_draws(profiled.graph, call.model, sites)
+    draws = eager_draws(profiled.graph)
     nodes = tuple(
         dataclasses.replace(node, checkpointable=False)
         if node.op == GLUE_OP and node.part_of in draws
@@ -174,39 +164,25 @@ def eager_profile(
     return SplitProfile(profiled, refused, draws)
 
 
-def eager_draws(
-    graph: ActivationGraph, model: torch.nn.Module, sites: frozenset[BreakSite]
-) -> dict[str, str]:
-    """Split calls (by node name, with their module paths) whose whole call a checkpoint would run
-    eagerly (a break's stack passes through their module's forward) and that draw random numbers."""
+def eager_draws(graph: ActivationGraph) -> dict[str, str]:
+    """Split calls (node names -> module paths) that draw random numbers: a checkpoint of one whole
+    runs eagerly under torch.compile (NOTE [checkpointed breaks] in rewrite.py)."""
     drawing = {node.part_of for node in graph.nodes if node.part_of and node.random}
-    paths = {node.part_of: node.module_path for node in graph.nodes if node.op == GLUE_OP and node.part_of}
     return {
-        call: path
-        for call, path in paths.items()
-        if call in drawing and path and _breaks_inside(model.get_submodule(path), sites)
+        node.part_of: node.module_path
+        for node in graph.nodes
+        if node.op == GLUE_OP and node.part_of in drawing and node.checkpointable
     }
-
-
-def _breaks_inside(module: torch.nn.Module, sites: frozenset[BreakSite]) -> bool:
-    """Whether a break's stack holds a line of `module`'s forward."""
-    forward = inspect.unwrap(type(module).forward)
-    try:
-        lines, first_line = inspect.getsourcelines(forward)
-    except (OSError, TypeError):  # no source: its code object's own lines
-        code = forward.__code__
-        return any((code.co_filename, line) in sites for _, _, line in code.co_lines() if line)
-    filename = forward.__code__.co_filename
-    return any((filename, line) in sites for line in range(first_line, first_line + len(lines)))
 
 
 def optimize_split(call: ExampleStep, planning: SplitPlanning, reasons: str, started_s: float) -> Plan:
     """NOTE [graph breaks]: the eager step planned, its plan compiled as it is and measured, and planned
     again below the budget less the miss while the measurement exceeds the budget."""
     log.warning("torch.compile breaks this step's graph (%s): planning the eager step", reasons)
-    profiled = eager_profile(call, planning.optimizer, planning.step, planning.sites)
+    profiled = eager_profile(call, planning.optimizer, planning.step)
     planning_s = time.perf_counter() - started_s
     planned_bytes = planning.budget_bytes
+    measurements: list[int] = []
     for attempt in range(1, MAX_ATTEMPTS + 1):
         solving_s = time.perf_counter()
         plan = profiled.plan(budget_bytes=planned_bytes, solver=planning.solver)
@@ -214,9 +190,11 @@ def optimize_split(call: ExampleStep, planning: SplitPlanning, reasons: str, sta
         assert plan.module is not None
         module = compiled_pieces(plan.module if plan.schedule.checkpointed else call.model, call)
         measured_bytes = checked_peak_bytes(plan, module, call)
+        measurements += [] if measured_bytes is None else [measured_bytes]
         if measured_bytes is None or measured_bytes <= planning.budget_bytes or attempt == MAX_ATTEMPTS:
             break
         planned_bytes = replanned_budget_bytes(plan, planning.budget_bytes, planned_bytes, measured_bytes)
+    raise_if_over(plan, planning.budget_bytes, measurements)
     plan.module = module
     plan.budget_bytes = planning.budget_bytes
     plan.compiled = CompiledStep(

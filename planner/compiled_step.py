@@ -29,7 +29,6 @@ __all__ = [
     "DYNAMO_LIMITS",
     "LOG_METHODS",
     "MAX_ATTEMPTS",
-    "BreakSite",
     "ExampleStep",
     "PlanOnly",
     "SplitStep",
@@ -37,12 +36,11 @@ __all__ = [
     "checked_peak_bytes",
     "compile_step",
     "dynamo_settings",
-    "break_sites",
     "graph_breaks",
-    "recorded_breaks",
     "log_methods",
     "lowered_budget_bytes",
     "planner_cause",
+    "raise_if_over",
     "replanned_budget_bytes",
     "split_text",
 ]
@@ -52,36 +50,12 @@ class PlanOnly(Exception):
     """Raised by a `plan_only` partitioner once it has planned, to stop the compile there."""
 
 
-BreakSite = tuple[str, int]
-"""A (file, line) on the stack of one of dynamo's graph breaks: the break happened inside that frame."""
-
-
 class SplitStep(Exception):
-    """Raised where dynamo breaks the step's graph, to stop the compile there (NOTE [graph breaks]);
-    `sites` are the breaks' stacks (NOTE [checkpointed breaks] in compiled_split.py)."""
+    """Raised where dynamo breaks the step's graph, to stop the compile there (NOTE [graph breaks])."""
 
-    def __init__(self, reasons: str, sites: frozenset[BreakSite] = frozenset()) -> None:
+    def __init__(self, reasons: str) -> None:
         super().__init__(reasons)
         self.reasons = reasons
-        self.sites = sites
-
-
-def recorded_breaks() -> list[Any]:
-    """Every graph break dynamo has recorded in this process with its stack (`GraphCompileReason`s, in
-    order; `torch._dynamo.reset` clears them)."""
-    from torch._dynamo.utils import graph_break_reasons
-
-    return graph_break_reasons
-
-
-def break_sites(breaks: Iterable[Any]) -> frozenset[BreakSite]:
-    """The frames on the stacks of `breaks` (dynamo's `GraphCompileReason`s)."""
-    return frozenset(
-        (frame.filename, frame.lineno)
-        for reason in breaks
-        for frame in reason.user_stack
-        if frame.lineno is not None
-    )
 
 
 def graph_breaks() -> Counter[str]:
@@ -232,6 +206,16 @@ def replanned_budget_bytes(plan: Plan, budget_bytes: int, planned_bytes: int, me
         format_bytes(lowered_bytes),
     )
     return lowered_bytes
+
+
+def raise_if_over(plan: Plan, budget_bytes: int, measured_bytes: list[int]) -> None:
+    """NOTE [checked budget]: `InfeasibleBudget` where the last of the `measured_bytes` (one per
+    compilation, `plan` the last's) is still over the budget; the lowest of them is a peak a plan
+    reached, so it is the lowest the error can name."""
+    if measured_bytes and measured_bytes[-1] > budget_bytes:
+        raise InfeasibleBudget(
+            budget_bytes=budget_bytes, min_peak_bytes=min(measured_bytes), breakdown=plan.simulation.breakdown
+        )
 
 
 def lowered_budget_bytes(

@@ -61,13 +61,12 @@ class CompiledStep:
     compiled as it is, and only the measured peak describes the compiled step (NOTE [graph breaks] in
     compiled_split.py)."""
     eager_draw_calls: tuple[str, ...] = ()
-    """Module paths of a split step whose whole call the plan checkpoints only where nothing else fits:
-    dynamo breaks inside it, so a checkpoint of it runs eagerly and draws other random numbers than the
-    compiled step
-    (NOTE [checkpointed breaks] in compiled_split.py)."""
+    """Module paths of a split step's calls that fx could not trace and that draw random numbers: the
+    plan checkpoints one whole only where nothing else fits, since that checkpoint runs eagerly and
+    draws other numbers than the compiled step (NOTE [eager draws] in compiled_split.py)."""
     checkpointed_draw_calls: tuple[str, ...] = ()
     """Of `eager_draw_calls`, those the plan checkpoints whole all the same: no plan without them fit
-    the budget. They run eagerly and draw other random numbers than compiled no checkpointing."""
+    the budget."""
 
 
 @dataclass

@@ -162,18 +162,19 @@ class Lever:
 
 def _eager_draw_rows(compiled: CompiledStep) -> list[str]:
     """Which whole calls of a split step a plan keeps from checkpointing, or checkpoints all the same
-    (NOTE [checkpointed breaks] in compiled_split.py)."""
+    (NOTE [eager draws] in compiled_split.py)."""
     checkpointed = compiled.checkpointed_draw_calls
     if checkpointed:
         return [
-            f"  checkpointed whole although dynamo breaks inside: {', '.join(checkpointed)}; no plan",
-            "  without it fits: it runs eagerly and draws other random numbers than compiled no",
-            "  checkpointing (its gradients are those of its own forward),",
+            f"  checkpointed whole although they draw random numbers: {', '.join(checkpointed)}; no plan",
+            "  without them fits: their checkpoint runs eagerly and draws other numbers than compiled",
+            "  no checkpointing (gradients are those of its own forward),",
         ]
     if compiled.eager_draw_calls:
         return [
-            f"  not checkpointed whole: {', '.join(compiled.eager_draw_calls)} (dynamo breaks inside, so a",
-            "  checkpoint would run it eagerly and draw other random numbers than the compiled step),",
+            f"  not checkpointed whole: {', '.join(compiled.eager_draw_calls)} (they draw random numbers,",
+            "  and a checkpoint of a call fx cannot trace runs eagerly, drawing other numbers than the",
+            "  compiled step; plans that checkpoint them reach lower peaks, made where nothing else fits),",
         ]
     return []
 

@@ -130,11 +130,16 @@ class CheckpointedRegion(torch.nn.Module):
     forward, so the replay takes them from the cache instead of recomputing them.
     """
 
-    def __init__(self, body: fx.GraphModule, keep_names: set[str] | None = None) -> None:
+    def __init__(
+        self, body: fx.GraphModule, keep_names: set[str] | None = None, *, eager_under_compile: bool = False
+    ) -> None:
         super().__init__()
         self.body = body
         self.has_buffers = any(True for _ in body.buffers())
         self.selective = bool(keep_names)
+        self.eager_under_compile = eager_under_compile
+        """Run this region eagerly, outside dynamo, when torch.compile compiles the planned module
+        (NOTE [checkpointed breaks])."""
         if keep_names:
             _mark_kept_nodes(body, keep_names)
 
@@ -149,16 +154,33 @@ class CheckpointedRegion(torch.nn.Module):
         return forward, replay
 
     def forward(self, *args: Any) -> Any:
-        if torch.compiler.is_compiling():
-            # NOTE [torch.compile]: under torch.compile the region becomes a checkpoint higher-order op
-            # and AOTAutograd plans its replay: buffer updates are functionalized (applied once, in
-            # forward) and the partitioner chooses what the backward recomputes, so the eager replay
-            # contexts (buffer restore, selective keeps) do not apply and are not traced.
-            return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
-        with _autocast_uncached():
-            return checkpoint(
-                self.body, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts
-            )
+        if not torch.compiler.is_compiling():
+            return _checkpointed(self, args)
+        if self.eager_under_compile:
+            return _checkpointed_outside_dynamo(self, args)
+        # NOTE [torch.compile]: under torch.compile the region becomes a checkpoint higher-order op
+        # and AOTAutograd plans its replay: buffer updates are functionalized (applied once, in
+        # forward) and the partitioner chooses what the backward recomputes, so the eager replay
+        # contexts (buffer restore, selective keeps) do not apply and are not traced.
+        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def _checkpointed(region: CheckpointedRegion, args: tuple[Any, ...]) -> Any:
+    """`region` run eagerly under checkpoint, with the replay's contexts (buffers restored, keeps)."""
+    with _autocast_uncached():
+        return checkpoint(
+            region.body, *args, use_reentrant=False, preserve_rng_state=True, context_fn=region._contexts
+        )
+
+
+_checkpointed_outside_dynamo = torch.compiler.disable(_checkpointed)
+"""NOTE [checkpointed breaks]: dynamo cannot split a checkpoint at a graph break. Where a region's code
+breaks, dynamo gives up on the whole checkpoint and runs it eagerly, but from code it has already
+traced down the compiling branch above, without the replay's contexts: a planned ResNet-like block
+whose NaN check breaks the graph updated its BatchNorm statistics twice per step. A region that holds
+the whole of a split call (code FX could not trace, as data-dependent branches are) therefore runs
+outside dynamo altogether when torch.compile compiles the planned module: eagerly, with its
+contexts, whether or not dynamo would have broken in it (a graph break there, not a wrong step)."""
 
 
 UNIT_FORWARD_ATTRIBUTE = "_planner_unit_forward"
@@ -296,7 +318,9 @@ def _split(graph_module: fx.GraphModule, regions: Sequence[RegionNodes]) -> fx.G
     )
     for number, (region, _) in enumerate(fused):
         name = f"{REGION_PREFIX}{number}"
-        setattr(split, name, CheckpointedRegion(getattr(split, name), set(region.keep)))
+        body = getattr(split, name)
+        region_module = CheckpointedRegion(body, set(region.keep), eager_under_compile=region.whole_calls)
+        setattr(split, name, region_module)
     # NOTE [split calls] in simulate.py: a child call runs under checkpoint inside a copy of its caller
     units = [region.unit_path for region in regions if region.unit_path is not None]
     with_checkpointed_units(split, units, copy_root=False)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import difflib
 import logging
 import warnings
@@ -74,6 +75,9 @@ class RegionNodes:
     names: tuple[str, ...]
     keep: frozenset[str]
     unit_path: str | None = None
+    whole_calls: bool = False
+    """Whether the region holds the whole of a split call: code FX could not trace, which torch.compile
+    may break its graph in (NOTE [checkpointed breaks] in planner/rewrite.py)."""
 
 
 def regions_of(graph: ActivationGraph, schedule: Schedule) -> list[RegionNodes]:
@@ -90,6 +94,7 @@ def _region_nodes(graph: ActivationGraph, region: Region) -> RegionNodes:
     return RegionNodes(
         names=tuple(dict.fromkeys(node.part_of or node.name for node in nodes)),
         keep=frozenset(graph.nodes[index].name for index in region.keep),
+        whole_calls=any(node.op == GLUE_OP and node.part_of for node in nodes),
     )
 
 
@@ -142,7 +147,7 @@ def carry_regions(regions: Sequence[RegionNodes], old: fx.Graph, new: fx.Graph) 
         if span is not None:
             first, last, kept = span
             names = tuple(new_nodes[first : last + 1])
-            carried.append(RegionNodes(names=names, keep=kept, unit_path=region.unit_path))
+            carried.append(dataclasses.replace(region, names=names, keep=kept))
     return carried
 
 

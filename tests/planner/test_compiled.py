@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import planner
 from planner import zoo
@@ -224,6 +225,26 @@ def test_a_plan_measured_over_its_budget_is_planned_again_below_the_models_miss(
         budget_bytes=1000, predicted_bytes=500, measured_bytes=1500, min_peak_bytes=400
     )
     assert lowest == 400, "never below the lowest peak any plan reaches"
+
+
+def test_a_split_step_budget_refused_after_three_compilations_is_one_the_hand_method_misses_too() -> None:
+    """NOTE [checked budget] on a split step not in the zoo: at 0.2 of its eager range every compilation
+    measured over the budget, and `optimize` says no plan fits, naming the lowest peak it measured.
+    `checkpoint_wrapper` on every block, compiled, measures above both."""
+    model, inputs = _checked_conv_net()
+    eager = plan_compiled_step(
+        model, inputs, {}, budget_bytes=HUGE_BUDGET_BYTES, optimizer="adam", step=TrainingStep(),
+        loss_fn=default_loss, solver="dp", device=None,
+    )  # fmt: skip
+    budget = round(eager.min_peak_bytes + 0.2 * (eager.baseline_peak_bytes - eager.min_peak_bytes))
+    with pytest.raises(planner.InfeasibleBudget) as raised:
+        planner.optimize(model, inputs, budget_bytes=budget, solver="dp", compile=True)
+    assert raised.value.min_peak_bytes > budget
+    by_hand = copy.deepcopy(model)
+    for index, block in enumerate(by_hand[0]):
+        by_hand[0][index] = checkpoint_wrapper(block)
+    measured = planner.measure(torch.compile(by_hand), inputs).peak_bytes
+    assert measured > raised.value.min_peak_bytes, (measured, raised.value.min_peak_bytes)
 
 
 def test_a_plan_still_measured_over_its_budget_after_the_last_compilation_is_refused() -> None:

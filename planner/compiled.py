@@ -438,7 +438,8 @@ def optimize_compiled(
             break
         planning_s += spent_s
         measured_bytes = checked_peak_bytes(plan, module, call)
-        measurements += [] if measured_bytes is None else [measured_bytes]
+        if measured_bytes is not None:
+            measurements.append(measured_bytes)
         if measured_bytes is None or measured_bytes <= budget_bytes or attempt == MAX_ATTEMPTS:
             break
         lowered_bytes = replanned_budget_bytes(plan, budget_bytes, request.budget_bytes, measured_bytes)

@@ -77,8 +77,8 @@ from planner.profiling import Profile, profile
 __all__ = [
     "EagerSaving",
     "SplitPlanning",
-    "compiled_pieces",
     "SplitProfile",
+    "compiled_pieces",
     "eager_draws",
     "eager_profile",
     "optimize_split",
@@ -190,7 +190,8 @@ def optimize_split(call: ExampleStep, planning: SplitPlanning, reasons: str, sta
         assert plan.module is not None
         module = compiled_pieces(plan.module if plan.schedule.checkpointed else call.model, call)
         measured_bytes = checked_peak_bytes(plan, module, call)
-        measurements += [] if measured_bytes is None else [measured_bytes]
+        if measured_bytes is not None:
+            measurements.append(measured_bytes)
         if measured_bytes is None or measured_bytes <= planning.budget_bytes or attempt == MAX_ATTEMPTS:
             break
         planned_bytes = replanned_budget_bytes(plan, planning.budget_bytes, planned_bytes, measured_bytes)

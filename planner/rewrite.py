@@ -131,15 +131,16 @@ class CheckpointedRegion(torch.nn.Module):
     """
 
     def __init__(
-        self, body: fx.GraphModule, keep_names: set[str] | None = None, *, eager_under_compile: bool = False
+        self, body: fx.GraphModule, keep_names: set[str] | None = None, *, whole_calls: bool = False
     ) -> None:
         super().__init__()
         self.body = body
         self.has_buffers = any(True for _ in body.buffers())
         self.selective = bool(keep_names)
-        self.eager_under_compile = eager_under_compile
-        """Run this region eagerly, outside dynamo, when torch.compile compiles the planned module
-        (NOTE [checkpointed breaks])."""
+        self.eager_under_compile = whole_calls and self.has_buffers
+        """Run this region eagerly, outside dynamo, when torch.compile compiles the planned module: it
+        holds a whole call fx could not trace, and buffers its replay must restore (NOTE [checkpointed
+        breaks])."""
         if keep_names:
             _mark_kept_nodes(body, keep_names)
 
@@ -174,16 +175,22 @@ def _checkpointed(region: CheckpointedRegion, args: tuple[Any, ...]) -> Any:
 
 
 _checkpointed_outside_dynamo = torch.compiler.disable(_checkpointed)
-"""NOTE [checkpointed breaks]: dynamo cannot split a checkpoint at a graph break. Where a region's code
-breaks, dynamo gives up on the whole checkpoint and runs it eagerly, but from code it has already
-traced down the compiling branch above, without the replay's contexts: a planned ResNet-like block
-whose NaN check breaks the graph updated its BatchNorm statistics twice per step. A region that holds
-the whole of a split call (code FX could not trace, as data-dependent branches are) therefore runs
-outside dynamo altogether when torch.compile compiles the planned module: eagerly, with its
-contexts, whether or not dynamo would have broken in it (a graph break there, not a wrong step)."""
+"""NOTE [checkpointed breaks]: dynamo cannot split a checkpoint at a graph break. Where a checkpoint's
+code breaks, dynamo gives up on the whole checkpoint and runs it eagerly, but from code it has already
+traced down the compiling branch, without the replay's contexts: a planned ResNet-like block whose NaN
+check breaks the graph updated its BatchNorm statistics twice per step, in a region holding the block
+and in a unit of a plan made by submodules alike. So a checkpoint that may break and has buffers to
+restore runs outside dynamo altogether when torch.compile compiles the planned module: eagerly, with
+its contexts, whether or not dynamo would have broken in it (a graph break there, not a wrong step).
+A region may break where it holds a whole split call (code FX could not trace, as data-dependent
+branches are); a unit (a child call of a split call, or a submodule of a plan made by submodules) is
+code the planner never traced, so any unit may. A checkpoint without buffers keeps dynamo: where it
+breaks, its eager replay needs no contexts (the RNG is preserved either way)."""
 
 
 UNIT_FORWARD_ATTRIBUTE = "_planner_unit_forward"
+UNIT_BUFFERS_ATTRIBUTE = "_planner_unit_has_buffers"
+"""Set on a wrapped unit that has buffers: compiled, it runs outside dynamo (NOTE [checkpointed breaks])."""
 
 
 class CheckpointedUnit:
@@ -198,6 +205,7 @@ class CheckpointedUnit:
     def wrap(unit: torch.nn.Module) -> torch.nn.Module:
         wrapped = copy.copy(unit)
         wrapped.__class__ = _checkpointed_class(type(unit))
+        setattr(wrapped, UNIT_BUFFERS_ATTRIBUTE, any(True for _ in unit.buffers()))
         return wrapped
 
 
@@ -219,17 +227,30 @@ def _checkpointed_unit_forward(self: torch.nn.Module, *args: Any, **kwargs: Any)
     forward = functools.partial(getattr(type(self), UNIT_FORWARD_ATTRIBUTE), self)
     if not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
-    if torch.compiler.is_compiling():  # see NOTE [torch.compile]
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    if not torch.compiler.is_compiling():
+        return _unit_checkpointed(self, forward, args, kwargs)
+    if getattr(self, UNIT_BUFFERS_ATTRIBUTE, False):  # NOTE [checkpointed breaks]
+        return _unit_checkpointed_outside_dynamo(self, forward, args, kwargs)
+    # NOTE [torch.compile]
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def _unit_checkpointed(
+    unit: torch.nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """`unit` run eagerly under checkpoint, its buffers restored after the replay."""
     with _autocast_uncached():
         return checkpoint(
             forward,
             *args,
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=functools.partial(_unit_contexts, self),
+            context_fn=functools.partial(_unit_contexts, unit),
             **kwargs,
         )
+
+
+_unit_checkpointed_outside_dynamo = torch.compiler.disable(_unit_checkpointed)
 
 
 def _unit_contexts(unit: torch.nn.Module) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
@@ -319,7 +340,7 @@ def _split(graph_module: fx.GraphModule, regions: Sequence[RegionNodes]) -> fx.G
     for number, (region, _) in enumerate(fused):
         name = f"{REGION_PREFIX}{number}"
         body = getattr(split, name)
-        region_module = CheckpointedRegion(body, set(region.keep), eager_under_compile=region.whole_calls)
+        region_module = CheckpointedRegion(body, set(region.keep), whole_calls=region.whole_calls)
         setattr(split, name, region_module)
     # NOTE [split calls] in simulate.py: a child call runs under checkpoint inside a copy of its caller
     units = [region.unit_path for region in regions if region.unit_path is not None]

@@ -228,6 +228,37 @@ def test_a_plan_measured_over_its_budget_is_planned_again_below_the_models_miss(
     assert lowest == 400, "never below the lowest peak any plan reaches"
 
 
+class _CheckedRoot(torch.nn.Module):
+    """Checked convolution blocks under a root that branches on its output's sum: neither fx nor
+    torch.export traces the root, so the plan is made by submodules (whole blocks as units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_CheckedConvBlock(16, checked=True) for _ in range(4))
+        self.head = torch.nn.Linear(16 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        if x.sum() > 1e9:
+            x = torch.zeros_like(x)
+        return self.head(x.flatten(1))
+
+
+def test_a_checkpointed_unit_that_breaks_the_graph_updates_batchnorm_statistics_once() -> None:
+    """NOTE [checkpointed breaks] for a plan made by submodules: each checkpointed block is a unit, and
+    compiled by hand, the three units dynamo broke in updated their BatchNorm statistics twice."""
+    torch.manual_seed(SEED)
+    model, inputs = _CheckedRoot(), (torch.randn(8, 16, 16, 16),)
+    reference = copy.deepcopy(model)
+    expected = _statistics_after_one_step(torch.compile(reference), reference, inputs)
+    planned = copy.deepcopy(model)
+    eager = planner.optimize(planned, inputs, budget_bytes=HUGE_BUDGET_BYTES)
+    plan = planner.optimize(planned, inputs, budget_bytes=eager.min_peak_bytes)
+    assert plan.capture.startswith("module") and plan.regions, plan.summary()
+    _assert_updated_once(_statistics_after_one_step(torch.compile(plan.module), planned, inputs), expected)
+
+
 def test_a_split_step_budget_refused_after_three_compilations_is_one_the_hand_method_misses_too() -> None:
     """NOTE [checked budget] on a split step not in the zoo: at 0.2 of its eager range every compilation
     measured over the budget (in a fresh process), and `optimize` says no plan fits, naming the lowest

@@ -18,7 +18,7 @@ graph and cannot see what the eager code around it keeps alive: untraceable_mlp'
 128 KiB ReLU mask beside the ReLU output that the next Linear (eager) keeps anyway, and its plans
 measured up to 252 KiB above their prediction, so most were compiled twice. Saving as eager does, the
 eager prediction holds for the compiled step (within 1 KiB on untraceable_mlp, at every budget in
-tests/planner/test_compiled.py). A plan that checkpoints nothing compiles the model itself, not the
+tests/planner/test_compiled_breaks.py). A plan that checkpoints nothing compiles the model itself, not the
 planned module: the planned graph calls the untraceable module as a leaf, dynamo compiled four pieces
 of it where it compiles two of the model, and their backward allocated 1 KiB more (a bias gradient's
 size) before the step's peak, so at a budget of the eager step's peak the first plan measured 1 KiB

@@ -18,11 +18,14 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from api.jobs import Job, JobError, JobStatus
+from planner.allocator import AllocatorSettings
 from planner.graph_api import Frontier
 from planner.ir import (
     GRAPH_SCHEMA,
     PLAN_SCHEMA,
     ActivationGraph,
+    BudgetKind,
+    MemoryCounting,
     Node,
     RegionPolicy,
     StaticBytes,
@@ -60,6 +63,11 @@ def _known_solver(name: str) -> str:
     return name
 
 
+def _allocator_conf(text: str) -> str:
+    AllocatorSettings.from_conf(text)  # raises ValueError naming the bad option
+    return text
+
+
 SolverName = Annotated[
     str,
     AfterValidator(_known_solver),
@@ -92,6 +100,9 @@ class GraphDocument(BaseModel):
     static: StaticBytes
     step: TrainingStep = TrainingStep()
     """The training step the static bytes and nodes describe (accumulation, clipping, GradScaler)."""
+    memory_counting: MemoryCounting = MemoryCounting.EXACT
+    """How every byte figure counts a storage: "blocks" (512-byte blocks, as CUDA's caching allocator
+    counts) or "exact"; documents written before this field counted exact bytes."""
     storage_bytes: dict[str, int]
     """Bytes of each activation storage, by name."""
     nodes: list[Node] = Field(min_length=1)
@@ -109,6 +120,7 @@ class GraphDocument(BaseModel):
             checkpoint_call_ms=self.checkpoint_call_ms,
             checkpoint_op_ms=self.checkpoint_op_ms,
             step=self.step,
+            memory_counting=self.memory_counting,
         )
 
 
@@ -123,6 +135,12 @@ class PlanRequest(BaseModel):
     graph: GraphDocument
     budget_bytes: BudgetBytes
     solver: SolverName = "auto"
+    budget_kind: BudgetKind = BudgetKind.ALLOCATED
+    """What the budget bounds: "allocated" bytes, or the bytes CUDA's caching allocator reserves
+    ("reserved", predicted by replaying the plan's allocations; needs a graph counted in blocks)."""
+    allocator_conf: Annotated[str, AfterValidator(_allocator_conf), Field(max_length=1000)] = ""
+    """The caching allocator's settings for a reserved budget, as PYTORCH_CUDA_ALLOC_CONF writes them
+    ("expandable_segments:True"); empty for PyTorch's defaults."""
     wait_s: float = Field(default=10.0, ge=0, le=600)
     """How long to wait for the plan before answering 202 (capped by the server's max_wait_s)."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from api.schemas import ParetoView
+from planner.allocator import AllocatorSettings
 from planner.graph_api import pareto_frontier, plan_graph
 from planner.serialize import graph_from_dict
 
@@ -16,12 +17,15 @@ __all__ = ["solve_pareto", "solve_plan"]
 
 
 def solve_plan(request_json: str) -> str:
-    """A stored job's request (`{"graph", "budget_bytes", "solver"}`) -> its plan (`planner.plan/v1`)."""
+    """A stored job's request (`{"graph", "budget_bytes", "solver"}`, and "budget_kind" with
+    "allocator_conf" unless the kind is "allocated") -> its plan (`planner.plan/v1`)."""
     request = json.loads(request_json)
     plan = plan_graph(
         graph_from_dict(request["graph"]),
         budget_bytes=int(request["budget_bytes"]),
         solver=str(request["solver"]),
+        budget_kind=str(request.get("budget_kind", "allocated")),
+        allocator=AllocatorSettings.from_conf(str(request.get("allocator_conf", ""))),
     )
     return json.dumps(plan.to_dict(), separators=(",", ":"), allow_nan=False)
 

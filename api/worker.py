@@ -36,7 +36,7 @@ from api.jobs import TERMINAL, Job, JobError, JobStore, canonical_json, request_
 from api.solve_process import ChildEnding, ChildOutcome, run_bounded
 from api.solve_targets import solve_pareto, solve_plan
 from planner.errors import PlannerError
-from planner.ir import ActivationGraph
+from planner.ir import ActivationGraph, BudgetKind
 from planner.serialize import graph_to_dict
 
 __all__ = ["JobFailed", "JobRunner", "PlanJob", "QueueFull", "SolveLimits", "Submission", "WorkerPool"]
@@ -176,16 +176,24 @@ class SolveLimits:
 
 @dataclass(frozen=True)
 class PlanJob:
-    """A validated plan request: the graph, the budget and the solver's name."""
+    """A validated plan request: the graph, the budget, what it bounds and the solver's name."""
 
     graph: ActivationGraph
     budget_bytes: int
     solver: str
+    budget_kind: BudgetKind = BudgetKind.ALLOCATED
+    allocator_conf: str = ""
 
     def canonical_json(self) -> str:
-        return canonical_json(
-            {"graph": graph_to_dict(self.graph), "budget_bytes": self.budget_bytes, "solver": self.solver}
-        )
+        request: dict[str, Any] = {
+            "graph": graph_to_dict(self.graph),
+            "budget_bytes": self.budget_bytes,
+            "solver": self.solver,
+        }
+        if self.budget_kind is not BudgetKind.ALLOCATED:  # requests made before budget kinds keep their key
+            request["budget_kind"] = self.budget_kind.value
+            request["allocator_conf"] = self.allocator_conf
+        return canonical_json(request)
 
 
 @dataclass(frozen=True)

@@ -290,8 +290,12 @@ def compiled(variant: Variant, fraction: float) -> Variant:
     return Variant(module=module, parameters=variant.parameters, buffers=variant.buffers)  # type: ignore[arg-type]
 
 
+def resident_tensors(module: torch.nn.Module, call: ExampleCall) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers(), *tensors_in((call.args, call.kwargs))]
+
+
 def static_bytes(module: torch.nn.Module, call: ExampleCall) -> int:
-    return storage_bytes([*module.parameters(), *module.buffers(), *tensors_in((call.args, call.kwargs))])
+    return storage_bytes(resident_tensors(module, call))
 
 
 def train_two_steps(module: torch.nn.Module, call: ExampleCall, on_forward: Callable[[], Any]) -> None:
@@ -309,7 +313,7 @@ def train_two_steps(module: torch.nn.Module, call: ExampleCall, on_forward: Call
 def allocator_step_memory(module: torch.nn.Module, call: ExampleCall) -> StepMemory:
     """CPU: the allocator's events over two steps (NOTE [measuring compiled steps]). Trains `module`."""
     module.zero_grad(set_to_none=True)
-    with AllocatorPhases(static_bytes(module, call)) as allocator:
+    with AllocatorPhases(resident_tensors(module, call)) as allocator:
 
         @contextlib.contextmanager
         def marked_forward() -> Iterator[None]:

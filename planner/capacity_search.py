@@ -38,10 +38,10 @@ import torch
 
 from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import format_bytes
-from planner.ir import ActivationGraph, CostModel, SimulationResult, TrainingStep
+from planner.ir import ActivationGraph, CostModel, MemoryCounting, SimulationResult, TrainingStep
 from planner.measurement import OptimizerSpec, tensors_in
 from planner.plan import Plan
-from planner.profiling import budget_bytes_of, profile, training_step_of
+from planner.profiling import budget_bytes_of, memory_counting_of, profile, training_step_of
 from planner.rescale import FIT_SIZES, GraphFamily, NotRescalable
 from planner.simulate import for_training_step, simulate, store_everything
 from planner.sizing import (
@@ -90,6 +90,7 @@ class _Settings:
     device: str | DeviceSpec | None
     autocast: torch.dtype | None
     solver: str
+    memory_counting: MemoryCounting = MemoryCounting.BLOCKS
 
     def step_options(self) -> dict[str, Any]:
         """The keywords that describe the step to `optimize` and to profiling alike."""
@@ -99,6 +100,7 @@ class _Settings:
             "loss_fn": self.loss_fn,
             "cost_model": self.cost_model,
             "device": self.device,
+            "memory_counting": self.memory_counting,
         }
 
 
@@ -477,6 +479,9 @@ class Capacity:
     budget_bytes: int
     card: str | None
     """The named card whose memory or rates the table is for (None for a bare budget)."""
+    held_back_bytes: int
+    """Of the card's memory, what `budget_bytes` leaves out for the CUDA context and cuBLAS workspaces
+    (NOTE [held back] in cost_model.py); 0 for a budget given by hand."""
     rows: tuple[SizeRow, ...]
     """Every size the search probed for this budget, smallest first."""
     largest_without: int | None
@@ -567,6 +572,7 @@ class Capacity:
             },
             "budget_bytes": self.budget_bytes,
             "card": self.card,
+            "held_back_bytes": self.held_back_bytes,
             "timing": self.timing,
             "largest_without": self.largest_without,
             "largest_with": self.largest_with,
@@ -607,12 +613,19 @@ def _describe_candidates(candidates: Sequence[int]) -> str:
     return ", ".join(str(size) for size in candidates)
 
 
+def _held_back_note(table: Capacity) -> str:
+    if not table.held_back_bytes:
+        return ""
+    held_back = format_bytes(table.held_back_bytes)
+    return f" usable: {held_back} held back for the CUDA context and cuBLAS workspaces"
+
+
 def render_capacity(table: Capacity) -> str:
     """The table as text: answers first, then the probed sizes, notes and the weighing."""
     fixed = ", ".join(f"{name} {value}" for name, value in table.fixed.items())
     lines = [
         f"capacity {table.where}"
-        + (f" ({format_bytes(table.budget_bytes)})" if table.card else "")
+        + (f" ({format_bytes(table.budget_bytes)}{_held_back_note(table)})" if table.card else "")
         + f": {table.dimension} {_describe_candidates(table.candidates)}"
         + (f", {fixed}" if fixed else ""),
         f"  every figure is predicted (per-node times {table.timing}); memory as `optimize` counts it",
@@ -648,11 +661,13 @@ def render_capacity(table: Capacity) -> str:
 
 def _resolve_budget(
     device: str | DeviceSpec | None, budget_gb: float | None, budget_bytes: int | None
-) -> tuple[int, str | None]:
-    """(budget in bytes, the card's name or None): an explicit budget, else the named card's memory."""
+) -> tuple[int, str | None, int]:
+    """(budget in bytes, the card's name or None, bytes of the card held back): an explicit budget, else
+    the named card's memory less its CUDA context and library workspaces (NOTE [held back] in
+    cost_model.py)."""
     if budget_gb is not None or budget_bytes is not None:
         budget = budget_bytes_of(budget_gb, budget_bytes)
-        return budget, device_spec(device).name if device is not None else None
+        return budget, device_spec(device).name if device is not None else None, 0
     if device is None:
         raise ValueError(
             "give a card with its memory (device='a100-40gb', 'h100-80gb', 'rtx4090', or a "
@@ -666,7 +681,9 @@ def _resolve_budget(
             "('a100-40gb', 'a100-80gb', 'h100-80gb', 'l40s', 'rtx4090') or give a budget (budget_gb=...; "
             "--budget on the command line)"
         )
-    return spec.memory_bytes, spec.name
+    usable = spec.usable_memory_bytes
+    assert usable is not None
+    return usable, spec.name, spec.held_back_bytes
 
 
 def _sizes(name: str, value: SizeSpec) -> tuple[int, ...] | int | None:
@@ -745,6 +762,7 @@ def _table(
         candidates=search.candidates,
         budget_bytes=budget_bytes,
         card=card,
+        held_back_bytes=0,
         rows=rows,
         largest_without=found.largest_without,
         largest_with=found.largest_with,
@@ -776,6 +794,7 @@ def capacity(
     search: str = "bisect",
     reuse_captures: bool | None = None,
     progress: ProgressCallback | None = None,
+    memory_counting: str = "blocks",
 ) -> Capacity:
     """The largest batch or sequence whose training step fits, with and without checkpointing.
 
@@ -795,10 +814,10 @@ def capacity(
     for G samples per optimizer step (NOTE [weighing options] in sizing.py). `search="scan"` probes
     every size instead of bisecting (NOTE [monotone peaks]); `reuse_captures` (default: with analytic
     costs) rescales graphs instead of capturing every size (rescale.py). `progress(done, expected,
-    message)` is called after each graph.
+    message)` is called after each graph. Bytes count as `optimize` counts them (`memory_counting`).
     """
     dimension, candidates, fixed = _dimensions(batch, sequence)
-    budget, card = _resolve_budget(device, budget_gb, budget_bytes)
+    budget, card, held_back = _resolve_budget(device, budget_gb, budget_bytes)
     if search not in ("bisect", "scan"):
         raise ValueError(f"search={search!r} is not known; use 'bisect' or 'scan'")
     if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
@@ -824,6 +843,7 @@ def capacity(
         device=device,
         autocast=autocast,
         solver=solver,
+        memory_counting=memory_counting_of(memory_counting),
     )
     scan = search == "scan"
     searcher = _Search(
@@ -834,4 +854,5 @@ def capacity(
         reuse=reuse,
         progress=_Progress(progress, _expected_graphs(candidates, scan=scan, reuse=reuse)),
     )
-    return _table(searcher, budget, card, global_batch=global_batch, fixed=fixed)
+    table = _table(searcher, budget, card, global_batch=global_batch, fixed=fixed)
+    return dataclasses.replace(table, held_back_bytes=held_back)

@@ -150,6 +150,12 @@ def parse_budget(text: str) -> int:
 
 
 BudgetOption = Annotated[int, typer.Option(help=BUDGET_HELP, parser=parse_budget, metavar="SIZE")]
+MemorySnapshotOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="Write the predicted step as a PyTorch memory snapshot (.pickle) for pytorch.org/memory_viz."
+    ),
+]
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
@@ -250,6 +256,7 @@ def _profile(
     accumulation_steps: int,
     max_grad_norm: float | None,
     quiet: bool,
+    memory_counting: str = "blocks",
 ) -> Any:
     """Load the target and profile one training step (`planner.profile`)."""
     import planner
@@ -258,7 +265,9 @@ def _profile(
     with _stage(f"capturing and profiling one training step of {target}", quiet=quiet):
         try:
             step = planner.TrainingStep(accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)
-            return planner.profile(model, inputs, optimizer=optimizer, step=step)
+            return planner.profile(
+                model, inputs, optimizer=optimizer, step=step, memory_counting=memory_counting
+            )
         except (planner.UnsupportedModel, ValueError, TypeError) as error:
             _fail(str(error))
 
@@ -285,6 +294,21 @@ def plan(
         Path | None, typer.Option("--json", help="Write the plan (planner.plan/v1) here.")
     ] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the memory timeline (.png/.svg) here.")] = None,
+    budget_kind: Annotated[
+        str | None,
+        typer.Option(
+            help="What the budget bounds: reserved (CUDA's caching allocator, predicted; the default for a "
+            "model on a GPU) or allocated (the default elsewhere)."
+        ),
+    ] = None,
+    exact_bytes: Annotated[
+        bool,
+        typer.Option(
+            "--exact-bytes",
+            help="Count tensors' own bytes (CPU training) instead of CUDA's 512-byte blocks.",
+        ),
+    ] = False,
+    memory_snapshot: MemorySnapshotOption = None,
     quiet: QuietOption = False,
 ) -> None:
     """Plan activation checkpointing for a budget and print the report (exit 3 when nothing fits)."""
@@ -298,10 +322,11 @@ def plan(
         accumulation_steps=accumulation_steps,
         max_grad_norm=max_grad_norm,
         quiet=quiet,
+        memory_counting="exact" if exact_bytes else "blocks",
     )
     with _stage(f"solving for a budget of {format_bytes(budget)} with {solver}", quiet=quiet):
         try:
-            result = profiled.plan(budget_bytes=budget, solver=solver)
+            result = profiled.plan(budget_bytes=budget, solver=solver, budget_kind=budget_kind)
         except planner.InfeasibleBudget as error:
             _infeasible(error, profiled.graph)
         except ValueError as error:
@@ -310,6 +335,8 @@ def plan(
         json_path.write_text(result.to_json())
     if plot is not None:
         result.plot_timeline(plot)
+    if memory_snapshot is not None:
+        result.export_memory_snapshot(memory_snapshot)
     if not quiet:
         typer.echo(result.summary())
 
@@ -530,6 +557,7 @@ def report(
     snippet: Annotated[
         bool, typer.Option(help="Also print the plan as torch.utils.checkpoint code.")
     ] = False,
+    memory_snapshot: MemorySnapshotOption = None,
 ) -> None:
     """Print the report of a saved plan (no torch needed)."""
     from planner.plan import Plan
@@ -544,6 +572,8 @@ def report(
         typer.echo(loaded.to_torch_snippet())
     if plot is not None:
         loaded.plot_timeline(plot)
+    if memory_snapshot is not None:
+        loaded.export_memory_snapshot(memory_snapshot)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from planner.allocator import AllocatorSettings
 from planner.errors import InfeasibleBudget, ServiceError
-from planner.ir import ActivationGraph, TrainingStep, breakdown_from
+from planner.ir import ActivationGraph, BudgetKind, TrainingStep, breakdown_from
 from planner.plan import Plan
 from planner.serialize import graph_to_dict, schedule_from_dict
 
@@ -85,12 +86,24 @@ class PlannerClient:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def plan_graph(self, graph: ActivationGraph, *, budget_bytes: int, solver: str = "auto") -> Plan:
-        """Have the service solve `graph` for `budget_bytes`: a Plan without a module (torch-free)."""
+    def plan_graph(
+        self,
+        graph: ActivationGraph,
+        *,
+        budget_bytes: int,
+        solver: str = "auto",
+        budget_kind: str = "allocated",
+        allocator: AllocatorSettings | None = None,
+    ) -> Plan:
+        """Have the service solve `graph` for `budget_bytes` of `budget_kind` memory ("allocated" or
+        "reserved" under `allocator`'s settings, see `planner.plan_graph`): a Plan without a module
+        (torch-free)."""
         body = {
             "graph": graph_to_dict(graph),
             "budget_bytes": budget_bytes,
             "solver": solver,
+            "budget_kind": budget_kind,
+            "allocator_conf": (allocator or AllocatorSettings()).to_conf(),
             "wait_s": SERVER_WAIT_S,
         }
         job = self._request("POST", "/v1/plans", json=body)
@@ -115,6 +128,7 @@ class PlannerClient:
             budget_bytes=int(document["budget_bytes"]),
             min_peak_bytes=int(document["min_peak_bytes"]),
             solve_ms=float(document["solve_ms"]),
+            budget_kind=BudgetKind(document.get("budget_kind", BudgetKind.ALLOCATED.value)),
         )
 
     def plan_profile(
@@ -149,17 +163,22 @@ class PlannerClient:
         world_size: int = 1,
         sharding: str = "ddp",
         compile: bool = False,
+        memory_counting: str = "blocks",
+        budget_kind: str | None = None,
+        allocator_conf: str | None = None,
     ) -> Plan:
         """`planner.optimize`, with the solve done by the service: the same arguments, checked the same
         way before profiling, and the same errors (`InfeasibleBudget` carries the service's lowest
         achievable peak). `compile=True` is refused: the compiled step is planned inside inductor's
         partitioner, in the process that compiles (planner/compiled.py)."""
         # Imported here so that `plan_graph` works where torch is not installed.
-        from planner.profiling import budget_bytes_of, profile
+        from planner.profiling import profile
         from planner.solvers import check_solver
+        from planner.torch_api import allocator_settings_of, budget_and_card, on_card
 
-        budget = budget_bytes_of(budget_gb, budget_bytes)
+        budget, card = budget_and_card(budget_gb, budget_bytes, device)
         check_solver(solver)
+        allocator = allocator_settings_of(allocator_conf)
         if compile:
             raise ValueError(
                 "PlannerClient.optimize(..., compile=True) is not supported: the compiled step is planned "
@@ -177,8 +196,13 @@ class PlannerClient:
             device=device,
             world_size=world_size,
             sharding=sharding,
+            memory_counting=memory_counting,
         )
-        return self.plan_profile(profiled, budget_bytes=budget, solver=solver)
+        kind = profiled.default_budget_kind if budget_kind is None else budget_kind
+        planned = self.plan_graph(
+            profiled.graph, budget_bytes=budget, solver=solver, budget_kind=kind, allocator=allocator
+        )
+        return on_card(profiled.apply(planned), card)
 
     def _request(self, method: str, path: str, *, json: dict[str, Any] | None = None) -> dict[str, Any]:
         """One API call with retries; the decoded JSON body of a 2xx answer."""

@@ -361,7 +361,8 @@ def profile_loss(
         loss = loss_fn(output)
         end_autocast_forward()
         forward_peak_bytes = tracker.peak_bytes - before_bytes
-        saved_bytes = max(0, tracker.live_bytes - before_bytes - loss.untyped_storage().nbytes())
+        loss_bytes = tracker.counted(loss.untyped_storage().nbytes())
+        saved_bytes = max(0, tracker.live_bytes - before_bytes - loss_bytes)
         tracker.reset_peak()
         after_forward_bytes = tracker.live_bytes
         if leaves and loss.requires_grad:
@@ -371,7 +372,7 @@ def profile_loss(
         forward_workspace_bytes=max(0, forward_peak_bytes - saved_bytes),
         saved_bytes=saved_bytes,
         backward_workspace_bytes=max(0, backward_peak_bytes),
-        held_bytes=2 * loss.untyped_storage().nbytes(),
+        held_bytes=2 * loss_bytes,
     )
 
 

@@ -29,6 +29,8 @@ import torch
 from torch import fx
 from torch._functorch.partitioners import OpTypes
 
+from planner.measurement import counted_bytes
+
 __all__ = ["FusionModel", "Storages", "addmm_folds", "is_primal", "node_tensor", "target_name"]
 
 
@@ -69,7 +71,7 @@ class Storages:
         key = _storage_key(tensor)
         if key not in self.name_of_key:
             self.name_of_key[key] = node.name
-            self.sizes[node.name] = tensor.untyped_storage().nbytes()
+            self.sizes[node.name] = counted_bytes(tensor.untyped_storage().nbytes())
             self.dtypes[node.name] = tensor.dtype
             self.producer[node.name] = node
         return self.name_of_key[key]

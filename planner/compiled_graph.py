@@ -67,6 +67,7 @@ from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
 from planner.graph_build import LOSS_NODE
 from planner.ir import ActivationGraph, Node, Schedule, StaticBytes
 from planner.kernel_scratch import scratch_bytes
+from planner.measurement import counted_bytes, current_counting
 from planner.simulate import held_storages
 
 __all__ = ["CompiledGraph", "LossProfile", "build_compiled_graph"]
@@ -164,7 +165,7 @@ def _layout_copies(forward: Sequence[fx.Node], storages: Storages) -> dict[str, 
             name = storages.name(source)
             if name is not None and name not in copies:
                 copies[name] = f"{name}.channels_last"
-                storages.sizes[copies[name]] = value.untyped_storage().nbytes()
+                storages.sizes[copies[name]] = counted_bytes(value.untyped_storage().nbytes())
                 storages.dtypes[copies[name]] = value.dtype
     return copies
 
@@ -575,6 +576,7 @@ def build_compiled_graph(
         capture=f"torch.compile (inductor joint graph, {len(reader.forward)} forward operators)",
         optimizer=optimizer,
         timing=f"analytic ({spec.name})",
+        memory_counting=current_counting(),
     )
     return CompiledGraph(
         graph=graph,

@@ -69,8 +69,8 @@ from planner.compiled_step import (
     replanned_budget_bytes,
 )
 from planner.errors import InfeasibleBudget
-from planner.ir import GLUE_OP, ActivationGraph, TrainingStep
-from planner.measurement import OptimizerSpec
+from planner.ir import GLUE_OP, ActivationGraph, BudgetKind, TrainingStep
+from planner.measurement import OptimizerSpec, current_counting
 from planner.plan import CompiledStep, Plan
 from planner.profiling import Profile, profile
 
@@ -121,12 +121,13 @@ class SplitProfile:
     def plan(self, *, budget_bytes: int, solver: str) -> Plan:
         """The least recompute with the compiled step's random numbers, or where no such plan fits the
         budget, the least recompute (NOTE [eager draws])."""
+        allocated = BudgetKind.ALLOCATED  # compiled plans bound allocated bytes, measured on the step
         try:
-            return self.refused.plan(budget_bytes=budget_bytes, solver=solver)
+            return self.refused.plan(budget_bytes=budget_bytes, solver=solver, budget_kind=allocated)
         except InfeasibleBudget:
             if not self.eager_draws:
                 raise
-            return self.profiled.plan(budget_bytes=budget_bytes, solver=solver)
+            return self.profiled.plan(budget_bytes=budget_bytes, solver=solver, budget_kind=allocated)
 
     def checkpointed_draws(self, plan: Plan) -> tuple[str, ...]:
         """Module paths of the `eager_draws` calls that `plan` checkpoints whole."""
@@ -152,6 +153,7 @@ def eager_profile(call: ExampleStep, optimizer: OptimizerSpec, step: TrainingSte
         optimizer=optimizer,
         step=step,
         loss_fn=call.loss_fn,
+        memory_counting=current_counting(),
     )
     draws = eager_draws(profiled.graph)
     nodes = tuple(

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from planner.errors import InfeasibleBudget, PlannerError, format_bytes
-from planner.measurement import AllocatorPhases, end_autocast_forward, storage_bytes, tensors_in
+from planner.measurement import AllocatorPhases, end_autocast_forward, tensors_in
 from planner.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -123,12 +123,12 @@ def checked_peak_bytes(plan: Plan, module: torch.nn.Module, call: ExampleStep) -
     device = call.targets[0].device
     with preserved_state(call.model):
         if device.type == "cpu":
-            resident_bytes = storage_bytes([*call.model.parameters(), *call.model.buffers()])
-            resident_bytes += storage_bytes(tensors_in((call.inputs, call.kwargs)))
-            resident_bytes += static.optimizer_state_bytes + static.resident_gradient_bytes
-            with AllocatorPhases(resident_bytes) as allocator:
+            resident = [*call.model.parameters(), *call.model.buffers()]
+            resident += tensors_in((call.inputs, call.kwargs))
+            with AllocatorPhases(resident, plan.graph.memory_counting) as allocator:
                 call.run(module, allocator.on_phase)
             measured_bytes = max(allocator.peaks.values())
+            measured_bytes += static.optimizer_state_bytes + static.resident_gradient_bytes
         elif device.type == "cuda":
             torch.cuda.synchronize(device)
             before_bytes = torch.cuda.memory_allocated(device)

@@ -13,9 +13,26 @@ operators (dropout) write at the device's random-number rate. The peak rates are
 figures (dense, no sparsity), so absolute times are optimistic; the planner only needs their ratios.
 
 A card named with its memory (`"a100-40gb"`, `"h100-80gb"`, `"rtx4090"`) also carries that memory,
-which `planner.capacity` takes as the budget. It is the nominal size in GiB (an "80 GB" card has 80 GiB
-of memory); the driver and the CUDA context keep a few hundred MiB of it, and the caching allocator
-rounds, so leave headroom (pass `budget_gb`) when you plan to the last byte.
+the nominal size in GiB (an "80 GB" card has 80 GiB), and what comes off it before any tensor of the
+step: `planner.capacity` and `optimize(..., device=card)` without a budget plan against the rest
+(`usable_memory_bytes`), and say how much was held back (NOTE [held back]).
+
+NOTE [held back]: two allowances, each from a cited source, both replaced by a measurement on the
+card by `make gpu-check` (bench/gpu_check.py):
+- The CUDA context (driver state, the kernels' code, library handles), which the caching allocator
+  never sees: a PyTorch process showed 723 MiB after its first one-element CUDA tensor
+  (discuss.pytorch.org/t/73021), and PyTorch's maintainers answer "~700+ MB depending on the CUDA
+  version and device" (discuss.pytorch.org/t/81330; ~800 MB in that thread's question). We hold back
+  `CUDA_CONTEXT_BYTES`, 1 GiB: the largest reported figure, rounded up, because lazy module loading
+  (CUDA 11.7+) lowers it and eager loading or more libraries raise it.
+- cuBLAS workspaces, which the caching allocator does hand out (so `max_memory_allocated` counts them,
+  and our step's prediction, made from tensor storages, does not): `getChosenWorkspaceSize` in
+  aten/src/ATen/cuda/CublasHandlePool.cpp gives 32 MiB on compute capability 9.x and later (H100) and
+  `:4096:2:16:8` (8 MiB + 128 KiB) before (A100, L40S, RTX 4090), one per cuBLAS handle and stream;
+  cuBLASLt shares it (unified workspace, the default in torch 2.13). A training step holds two
+  handles, the forward's thread's and autograd's device thread's, so two workspaces.
+Fragmentation (reserved above allocated) is not held back here: the allocator simulation predicts it
+for each plan (allocator.py).
 """
 
 from __future__ import annotations
@@ -24,10 +41,30 @@ from dataclasses import dataclass, replace
 
 from planner.errors import GIB
 
-__all__ = ["BACKWARD_FACTOR", "DEVICES", "DeviceSpec", "analytic_forward_ms", "device_spec"]
+__all__ = [
+    "BACKWARD_FACTOR",
+    "CUDA_CONTEXT_BYTES",
+    "DEVICES",
+    "DeviceSpec",
+    "analytic_forward_ms",
+    "cublas_workspace_bytes",
+    "device_spec",
+]
 
 BACKWARD_FACTOR = 2.0
 """Backward costs about twice the forward: a gradient for the input and one for the weight."""
+CUDA_CONTEXT_BYTES = GIB
+"""What a CUDA context takes off a card, as an allowance (NOTE [held back])."""
+TRAINING_CUBLAS_HANDLES = 2
+"""cuBLAS handles a training step uses: the forward's thread's and autograd's device thread's."""
+
+
+def cublas_workspace_bytes(compute_capability_major: int) -> int:
+    """cuBLAS's workspace per handle and stream on a card of this compute capability, as
+    `getChosenWorkspaceSize` in aten/src/ATen/cuda/CublasHandlePool.cpp picks it by default."""
+    if compute_capability_major >= 9:
+        return 4096 * 8 * 1024  # ":4096:8": 32 MiB on Hopper and Blackwell
+    return 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8"
 
 
 @dataclass(frozen=True)
@@ -57,10 +94,30 @@ class DeviceSpec:
     memory_bytes: int | None = None
     """The device's memory (nominal, see above), or None where the name does not fix it ("a100" comes
     with 40 or 80 GiB, "h100" with 80 or 94, a CPU has what the machine has)."""
+    context_bytes: int = 0
+    """Memory the CUDA context takes before any tensor (NOTE [held back]); 0 for a CPU."""
+    library_workspace_bytes: int = 0
+    """Memory libraries take through the caching allocator on first use: cuBLAS's workspaces."""
+
+    @property
+    def held_back_bytes(self) -> int:
+        """What comes off the card's memory before the training step's own tensors."""
+        return self.context_bytes + self.library_workspace_bytes
+
+    @property
+    def usable_memory_bytes(self) -> int | None:
+        """The card's memory less what is held back: what a step's peak may reach (None: unknown)."""
+        return None if self.memory_bytes is None else self.memory_bytes - self.held_back_bytes
 
 
-_H100 = DeviceSpec("h100", flops_per_s=989e12, memory_bytes_per_s=3.35e12, overhead_ms=0.005)
-_A100 = DeviceSpec("a100", flops_per_s=312e12, memory_bytes_per_s=2.0e12, overhead_ms=0.005)
+def _cuda_card(spec: DeviceSpec, compute_capability_major: int) -> DeviceSpec:
+    """`spec` with what a CUDA card of this compute capability holds back (NOTE [held back])."""
+    workspace_bytes = TRAINING_CUBLAS_HANDLES * cublas_workspace_bytes(compute_capability_major)
+    return replace(spec, context_bytes=CUDA_CONTEXT_BYTES, library_workspace_bytes=workspace_bytes)
+
+
+_H100 = _cuda_card(DeviceSpec("h100", flops_per_s=989e12, memory_bytes_per_s=3.35e12, overhead_ms=0.005), 9)
+_A100 = _cuda_card(DeviceSpec("a100", flops_per_s=312e12, memory_bytes_per_s=2.0e12, overhead_ms=0.005), 8)
 
 DEVICES: dict[str, DeviceSpec] = {
     "h100": _H100,
@@ -68,11 +125,21 @@ DEVICES: dict[str, DeviceSpec] = {
     "a100": _A100,
     "a100-40gb": replace(_A100, name="a100-40gb", memory_bytes_per_s=1.555e12, memory_bytes=40 * GIB),
     "a100-80gb": replace(_A100, name="a100-80gb", memory_bytes_per_s=2.039e12, memory_bytes=80 * GIB),
-    "l40s": DeviceSpec(
-        "l40s", flops_per_s=362e12, memory_bytes_per_s=0.864e12, overhead_ms=0.005, memory_bytes=48 * GIB
+    "l40s": _cuda_card(
+        DeviceSpec(
+            "l40s", flops_per_s=362e12, memory_bytes_per_s=0.864e12, overhead_ms=0.005, memory_bytes=48 * GIB
+        ),
+        8,
     ),
-    "rtx4090": DeviceSpec(
-        "rtx4090", flops_per_s=165e12, memory_bytes_per_s=1.008e12, overhead_ms=0.005, memory_bytes=24 * GIB
+    "rtx4090": _cuda_card(
+        DeviceSpec(
+            "rtx4090",
+            flops_per_s=165e12,
+            memory_bytes_per_s=1.008e12,
+            overhead_ms=0.005,
+            memory_bytes=24 * GIB,
+        ),
+        8,
     ),
     "cpu": DeviceSpec(
         "cpu",
@@ -94,6 +161,14 @@ def device_spec(device: str | DeviceSpec) -> DeviceSpec:
             raise ValueError(f"a DeviceSpec needs positive rates and a non-negative overhead, got {device}")
         if device.memory_bytes is not None and device.memory_bytes <= 0:
             raise ValueError(f"a DeviceSpec's memory_bytes must be positive or None, got {device}")
+        if device.context_bytes < 0 or device.library_workspace_bytes < 0:
+            raise ValueError(f"a DeviceSpec's context and workspace bytes must not be negative, got {device}")
+        usable = device.usable_memory_bytes
+        if usable is not None and usable <= 0:
+            raise ValueError(
+                f"a DeviceSpec's memory_bytes ({device.memory_bytes}) must exceed what is held back for the "
+                f"CUDA context and library workspaces ({device.held_back_bytes}), got {device}"
+            )
         return device
     if device not in DEVICES:
         raise ValueError(

@@ -100,11 +100,19 @@ class InfeasibleBudget(PlannerError, ValueError):
     and `breakdown` (bytes by component at that minimum), and says in its message what dominates.
     """
 
-    def __init__(self, *, budget_bytes: int, min_peak_bytes: int, breakdown: Mapping[Component, int]) -> None:
+    def __init__(
+        self,
+        *,
+        budget_bytes: int,
+        min_peak_bytes: int,
+        breakdown: Mapping[Component, int],
+        hint: str = "",
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.min_peak_bytes = min_peak_bytes
         self.breakdown = dict(breakdown)
-        super().__init__(explain_infeasible(budget_bytes, min_peak_bytes, self.breakdown))
+        message = explain_infeasible(budget_bytes, min_peak_bytes, self.breakdown)
+        super().__init__(f"{message}\n{hint}" if hint else message)
 
 
 def explain_infeasible(budget_bytes: int, min_peak_bytes: int, breakdown: Mapping[Component, int]) -> str:

@@ -17,22 +17,51 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from planner.allocator import AllocatorSettings
 from planner.errors import InfeasibleBudget
-from planner.ir import ActivationGraph, Schedule, SimulationResult
+from planner.ir import ActivationGraph, BudgetKind, MemoryCounting, Schedule, SimulationResult
 from planner.plan import Plan
+from planner.reserved import expandable_note, solve_reserved
 from planner.simulate import simulate, store_everything
 from planner.solvers import lowest_peak, solve
 
-__all__ = ["Frontier", "FrontierPoint", "frontier_budgets", "pareto_frontier", "plan_graph"]
+__all__ = [
+    "Frontier",
+    "FrontierPoint",
+    "budget_kind_of",
+    "frontier_budgets",
+    "pareto_frontier",
+    "plan_graph",
+]
 
 log = logging.getLogger(__name__)
 
 
-def plan_graph(graph: ActivationGraph, *, budget_bytes: int, solver: str = "auto") -> Plan:
-    """Solve an already captured graph (torch-free): a Plan without a module."""
+def plan_graph(
+    graph: ActivationGraph,
+    *,
+    budget_bytes: int,
+    solver: str = "auto",
+    budget_kind: str = BudgetKind.ALLOCATED,
+    allocator: AllocatorSettings | None = None,
+) -> Plan:
+    """Solve an already captured graph (torch-free): a Plan without a module. `budget_kind` says what
+    the budget bounds (NOTE [budget kinds] in ir.py): "allocated" bytes, or the bytes CUDA's caching
+    allocator reserves under `allocator` (PyTorch's default settings unless given)."""
+    kind = budget_kind_of(budget_kind, graph)
     solve_started = time.perf_counter()
-    schedule = solve(graph, budget_bytes=budget_bytes, solver=solver)
-    _, lowest = lowest_peak(graph)
+    allocator_note = ""
+    if kind is BudgetKind.RESERVED:
+        settings = allocator or AllocatorSettings()
+        schedule, min_peak_bytes = solve_reserved(
+            graph, budget_bytes=budget_bytes, solver=solver, settings=settings
+        )
+        allocator_note = expandable_note(
+            graph, schedule, budget_bytes=budget_bytes, solver=solver, settings=settings
+        )
+    else:
+        schedule = solve(graph, budget_bytes=budget_bytes, solver=solver)
+        min_peak_bytes = lowest_peak(graph)[1].peak_bytes
     solve_ms = (time.perf_counter() - solve_started) * 1e3
     log.info(
         "solved with %s in %.0f ms: %d checkpointed regions", solver, solve_ms, len(schedule.checkpointed)
@@ -41,9 +70,31 @@ def plan_graph(graph: ActivationGraph, *, budget_bytes: int, solver: str = "auto
         graph=graph,
         schedule=schedule,
         budget_bytes=budget_bytes,
-        min_peak_bytes=lowest.peak_bytes,
+        min_peak_bytes=min_peak_bytes,
         solve_ms=solve_ms,
+        budget_kind=kind,
+        allocator_note=allocator_note,
     )
+
+
+def budget_kind_of(budget_kind: str | BudgetKind, graph: ActivationGraph) -> BudgetKind:
+    """The checked `budget_kind` argument for `graph`: reserved memory is a GPU's, so it needs a graph
+    counted in 512-byte blocks, as the caching allocator counts."""
+    try:
+        kind = BudgetKind(budget_kind)
+    except ValueError as error:
+        choices = [member.value for member in BudgetKind]
+        raise ValueError(
+            f"budget_kind={budget_kind!r} is not known; use one of {choices}: 'reserved' bounds what CUDA's "
+            "caching allocator reserves (what runs out on a GPU), 'allocated' the live tensors' bytes"
+        ) from error
+    if kind is BudgetKind.RESERVED and graph.memory_counting is not MemoryCounting.BLOCKS:
+        raise ValueError(
+            "budget_kind='reserved' bounds CUDA's caching allocator, which counts 512-byte blocks; this "
+            f"graph counts {graph.memory_counting.value} bytes: profile with memory_counting='blocks', or "
+            "bound budget_kind='allocated'"
+        )
+    return kind
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 from planner.attention import planned_attention
 from planner.capture import Capture, has_hooks
 from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
-from planner.ir import ActivationGraph, CostModel, Node, Phase, TrainingStep
+from planner.ir import ActivationGraph, CostModel, MemoryCounting, Node, Phase, TrainingStep
 from planner.measurement import (
     LiveStorageTracker,
     OptimizerSpec,
+    counted_bytes,
+    counting_scope,
+    current_counting,
     end_autocast_forward,
     start_autocast_forward,
     tensors_in,
@@ -332,7 +335,7 @@ def _profile_step(
             if clock.current is not None:
                 interpreter.records[
                     clock.current
-                ].parameter_gradient_bytes += gradient.untyped_storage().nbytes()
+                ].parameter_gradient_bytes += counted_bytes(gradient.untyped_storage().nbytes())
 
         return hook
 
@@ -431,8 +434,10 @@ def build_activation_graph(
     step: TrainingStep | None = None,
     cost_model: str = "measured",
     device: str | DeviceSpec | None = None,
+    memory_counting: MemoryCounting = MemoryCounting.BLOCKS,
 ) -> ActivationGraph:
-    """Profile one training step of `captured` and return its activation graph (model left unchanged).
+    """Profile one training step of `captured` and return its activation graph (model left unchanged),
+    every byte in it counted as `memory_counting` says (NOTE [counted bytes] in ir.py).
 
     `cost_model="measured"` times each node in repeated profiling steps on the model's device;
     `"analytic"` prices it by FLOPs and bytes on `device` (see cost_model.py) and needs no timing run,
@@ -440,6 +445,21 @@ def build_activation_graph(
     starts with no gradient; its static bytes include the end of `step` (clipping, unscaling, the
     optimizer step), and `simulate.for_training_step` applies the rest of `step`.
     """
+    with counting_scope(MemoryCounting(memory_counting)):
+        return _profiled_graph(captured, model, inputs, loss_fn, optimizer, step, cost_model, device)
+
+
+def _profiled_graph(
+    captured: Capture,
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    loss_fn: Callable[[Any], torch.Tensor],
+    optimizer: OptimizerSpec,
+    step: TrainingStep | None,
+    cost_model: str,
+    device: str | DeviceSpec | None,
+) -> ActivationGraph:
+    """`build_activation_graph` inside its counting scope (NOTE [counting scope] in measurement.py)."""
     graph_module = captured.graph_module
     spec = _cost_spec(model, inputs, cost_model, device)
     targets = _grad_targets(model, inputs)
@@ -492,6 +512,7 @@ def build_activation_graph(
         selective_op_overhead_ms=_selective_op_overhead_ms(model, inputs, spec),
         checkpoint_call_ms=checkpoint_cost.call_ms,
         checkpoint_op_ms=checkpoint_cost.per_operator_ms,
+        memory_counting=current_counting(),
     )
     calibrated = calibrate_workspace(profiled, interpreter.records)
     return dataclasses.replace(calibrated, static=static)

@@ -28,10 +28,13 @@ __all__ = [
     "Component",
     "CostModel",
     "OptimizerName",
+    "BLOCK_BYTES",
     "GLUE_OP",
     "GRAPH_SCHEMA",
+    "MemoryCounting",
     "PLAN_SCHEMA",
     "ActivationGraph",
+    "BudgetKind",
     "Node",
     "Phase",
     "Region",
@@ -73,6 +76,69 @@ class CostModel(StrEnum):
     ANALYTIC = "analytic"
     """FLOPs and bytes on a roofline of a named device (cost_model.py); `timing` reads
     "analytic (<device>)"."""
+
+
+BLOCK_BYTES = 512
+"""CUDA's caching allocator hands out memory in multiples of this (`kMinBlockSize` in
+c10/cuda/CUDACachingAllocator.cpp), and `torch.cuda.max_memory_allocated` counts those blocks."""
+
+
+class MemoryCounting(StrEnum):
+    """How the bytes of one tensor storage are counted, in every figure a graph, a plan or a report
+    holds (`memory_counting=` of optimize and profile). Members are their string values.
+
+    NOTE [counted bytes]: a GPU does not count tensor bytes. CUDA's caching allocator rounds every
+    allocation up to a multiple of 512 bytes (`round_size`: at least 512, then 512-byte steps), and
+    `torch.cuda.max_memory_allocated`, the figure an out-of-memory error is about, adds those rounded
+    sizes. Plans made on a CPU (in CI, on a laptop, on the meta device for a named card) are used on
+    GPUs, so BLOCKS is the default on every device; on the CPU it overstates the peak by a fraction of
+    a percent (a diffusion U-Net of many small tensors: 0.7 %). EXACT counts storage bytes as they
+    are, for training on the CPU. A graph's every storage, static and workspace figure is counted
+    its way, so a schedule's predicted peak is in the graph's counting with no conversion.
+    """
+
+    BLOCKS = "blocks"
+    """As CUDA's caching allocator counts: `max(512, ceil(n / 512) * 512)` bytes per storage."""
+    EXACT = "exact"
+    """The storage's own bytes (what a CPU allocates)."""
+
+    def of(self, size_bytes: int) -> int:
+        """`size_bytes` of one storage (or one allocation) as this counting counts it; 0 stays 0,
+        as an empty tensor allocates nothing."""
+        if self is MemoryCounting.EXACT or size_bytes <= 0:
+            return size_bytes
+        return -(-size_bytes // BLOCK_BYTES) * BLOCK_BYTES
+
+    @property
+    def words(self) -> str:
+        """What a report says the figures are."""
+        if self is MemoryCounting.BLOCKS:
+            return "counted in 512-byte blocks, as CUDA's caching allocator counts (max_memory_allocated)"
+        return "exact tensor bytes (memory_counting='exact')"
+
+
+class BudgetKind(StrEnum):
+    """What a budget bounds (`budget_kind=` of optimize). Members are their string values.
+
+    NOTE [budget kinds]: a GPU raises out-of-memory when CUDA's caching allocator cannot reserve more
+    memory, and reserved memory holds what allocated memory does plus segment remainders and cached
+    blocks best fit cannot reuse. So a budget that must prevent the OOM bounds the reserved peak
+    (RESERVED, predicted by replaying the plan's allocations through allocator.py); ALLOCATED bounds
+    the simulator's peak, each storage counted as the graph counts it (what `max_memory_allocated`
+    reports, or the live-storage tracker on the CPU, which has no caching allocator).
+    """
+
+    ALLOCATED = "allocated"
+    """The peak of live tensor storages (`torch.cuda.max_memory_allocated`)."""
+    RESERVED = "reserved"
+    """The peak CUDA's caching allocator reserves (`torch.cuda.max_memory_reserved`), predicted."""
+
+    @property
+    def words(self) -> str:
+        """What a report says the budget bounds."""
+        if self is BudgetKind.RESERVED:
+            return "reserved memory, as CUDA's caching allocator would reserve it (max_memory_reserved)"
+        return "allocated memory (max_memory_allocated)"
 
 
 @dataclass(frozen=True)
@@ -257,6 +323,8 @@ class ActivationGraph:
     Python hooks on every tensor the region saves, in forward and backward."""
     step: TrainingStep = TrainingStep()
     """The training step the graph's accounting describes (see `for_training_step` in simulate.py)."""
+    memory_counting: MemoryCounting = MemoryCounting.BLOCKS
+    """How each storage's bytes are counted in every figure of the graph (NOTE [counted bytes])."""
 
     def index_of(self, name: str) -> int:
         """Position of the node called `name` in execution order."""

@@ -30,6 +30,9 @@ from torch import fx
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from planner.ir import MemoryCounting
+from planner.measurement import current_counting, storage_bytes
+
 __all__ = ["SCRATCH_OPERATORS", "scratch_bytes"]
 
 log = logging.getLogger(__name__)
@@ -59,7 +62,7 @@ def scratch_bytes(nodes: Iterable[fx.Node], *, channels_last: bool) -> dict[fx.N
     for node in calls:
         signature = _signature(node.args, channels_last)
         if signature is not None:
-            measured[node] = _measured_scratch_bytes(node.target, signature)
+            measured[node] = _measured_scratch_bytes(node.target, signature, current_counting())
     unpacked = {
         user: scratch
         for node, scratch in measured.items()
@@ -102,13 +105,15 @@ def _channels_last_stride(value: torch.Tensor) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _measured_scratch_bytes(target: Callable[..., Any], signature: tuple[Any, ...]) -> int:
+def _measured_scratch_bytes(
+    target: Callable[..., Any], signature: tuple[Any, ...], counting: MemoryCounting
+) -> int:
     device = next(torch.device(spec[3]) for spec in signature if _is_tensor_spec(spec))
     with torch.no_grad(), _disable_current_modes():
         args = [_ones(spec) if _is_tensor_spec(spec) else _as_argument(spec) for spec in signature]
         if device.type == "cuda":
-            return _cuda_scratch_bytes(target, args, device)
-        return _cpu_scratch_bytes(target, args)
+            return _cuda_scratch_bytes(target, args, device, counting)
+        return _cpu_scratch_bytes(target, args, counting)
 
 
 def _is_tensor_spec(spec: Any) -> bool:
@@ -124,13 +129,12 @@ def _ones(spec: _TensorSpec) -> torch.Tensor:
     return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(1)
 
 
-def _output_bytes(output: Any) -> int:
+def _output_bytes(output: Any, counting: MemoryCounting) -> int:
     tensors = [value for value in tree_flatten(output)[0] if isinstance(value, torch.Tensor)]
-    storages = {id(tensor.untyped_storage()): tensor.untyped_storage() for tensor in tensors}
-    return sum(storage.nbytes() for storage in storages.values())
+    return storage_bytes(tensors, counting)
 
 
-def _cpu_scratch_bytes(target: Callable[..., Any], args: list[Any]) -> int:
+def _cpu_scratch_bytes(target: Callable[..., Any], args: list[Any], counting: MemoryCounting) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as profile:
         output = target(*args)
@@ -138,16 +142,21 @@ def _cpu_scratch_bytes(target: Callable[..., Any], args: list[Any]) -> int:
     live_bytes = peak_bytes = 0
     for event in events:
         if event.name() == "[memory]":
-            live_bytes += event.nbytes()
+            size_bytes = counting.of(abs(event.nbytes()))
+            live_bytes += size_bytes if event.nbytes() > 0 else -size_bytes
             peak_bytes = max(peak_bytes, live_bytes)
-    return max(0, peak_bytes - _output_bytes(output))
+    return max(0, peak_bytes - _output_bytes(output, counting))
 
 
-def _cuda_scratch_bytes(target: Callable[..., Any], args: list[Any], device: torch.device) -> int:
+def _cuda_scratch_bytes(
+    target: Callable[..., Any], args: list[Any], device: torch.device, counting: MemoryCounting
+) -> int:
+    """The allocator's own statistics: allocated bytes are 512-byte blocks, requested bytes exact."""
+    stat = "allocated_bytes.all" if counting is MemoryCounting.BLOCKS else "requested_bytes.all"
     torch.cuda.synchronize(device)
-    before_bytes = torch.cuda.memory_allocated(device)
+    before_bytes = torch.cuda.memory_stats(device)[f"{stat}.current"]
     torch.cuda.reset_peak_memory_stats(device)
     output = target(*args)
     torch.cuda.synchronize(device)
-    peak_bytes = torch.cuda.max_memory_allocated(device) - before_bytes
-    return max(0, peak_bytes - _output_bytes(output))
+    peak_bytes = torch.cuda.memory_stats(device)[f"{stat}.peak"] - before_bytes
+    return max(0, peak_bytes - _output_bytes(output, counting))

@@ -5,7 +5,14 @@ RSS counts the Python heap, freed-but-cached pages and libraries, so it is not a
 Instead `LiveStorageTracker` counts the bytes of live tensor storages: a TorchDispatchMode sees every
 tensor an operator creates (forward, backward and optimizer alike), registers its storage once, and a
 weakref finalizer subtracts it when the storage is freed. Views share a storage and count once. This
-is the quantity `torch.cuda.memory_allocated` reports on a GPU, less the allocator's rounding.
+is the quantity `torch.cuda.memory_allocated` reports on a GPU when each storage is counted in 512-byte
+blocks (NOTE [counted bytes] in ir.py): the tracker counts both, blocks (`live_bytes`, in the counting
+it was made with) and exact bytes (`exact_live_bytes`), and `measure_step` reports both.
+
+NOTE [counting scope]: a graph counts every byte one way (`ActivationGraph.memory_counting`), and the
+profiling step that builds it runs many instruments (the node tracker, optimizer probes, kernel scratch
+probes, the compiled step's storages). `counting_scope(counting)` sets the counting they all use for the
+duration of one build; outside a scope it is the default, blocks.
 
 NOTE [compiled steps]: the tracker cannot count a `torch.compile`d step. Dynamo runs no compiled code
 while a TorchDispatchMode is active (it runs the frame eagerly, and keeps skipping it afterwards), and
@@ -25,6 +32,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +40,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from planner.ir import OptimizerName, TrainingStep
+from planner.allocator import AllocatorEvent
+from planner.ir import MemoryCounting, OptimizerName, TrainingStep
 
 __all__ = [
     "AllocatorPhases",
@@ -40,12 +49,16 @@ __all__ = [
     "MeasuredStep",
     "MeasuredTimeline",
     "OptimizerSpec",
+    "counted_bytes",
+    "counting_scope",
+    "current_counting",
     "default_loss",
     "end_autocast_forward",
     "is_compiled",
     "make_optimizer",
     "measure_step",
     "measure_timeline",
+    "record_allocations",
     "start_autocast_forward",
     "storage_bytes",
 ]
@@ -57,6 +70,28 @@ the model's parameters. A name means torch.optim's class with its defaults, so i
 
 
 OPTIMIZER_NAMES = tuple(name.value for name in OptimizerName)
+
+_COUNTING: ContextVar[MemoryCounting] = ContextVar("planner_memory_counting", default=MemoryCounting.BLOCKS)
+
+
+@contextmanager
+def counting_scope(counting: MemoryCounting) -> Iterator[None]:
+    """Count storages as `counting` says in every instrument made inside (NOTE [counting scope])."""
+    token = _COUNTING.set(MemoryCounting(counting))
+    try:
+        yield
+    finally:
+        _COUNTING.reset(token)
+
+
+def current_counting() -> MemoryCounting:
+    """The counting of the innermost `counting_scope`, blocks outside any."""
+    return _COUNTING.get()
+
+
+def counted_bytes(size_bytes: int) -> int:
+    """`size_bytes` of one storage or allocation, as the current counting counts it."""
+    return _COUNTING.get().of(size_bytes)
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -113,13 +148,18 @@ class LiveStorageTracker(TorchDispatchMode):
     """Counts live tensor-storage bytes and their peak while active (CPU or any device).
 
     Storages created before the tracker is entered are invisible unless passed to `track`; register
-    parameters, buffers, inputs and optimizer state that way.
+    parameters, buffers, inputs and optimizer state that way. `live_bytes` and `peak_bytes` count each
+    storage as `counting` says (the current scope's by default); `exact_live_bytes` and
+    `exact_peak_bytes` count its own bytes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, counting: MemoryCounting | None = None) -> None:
         super().__init__()
+        self.counting = current_counting() if counting is None else MemoryCounting(counting)
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.exact_live_bytes = 0
+        self.exact_peak_bytes = 0
         self._tracked: set[int] = set()
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -130,6 +170,11 @@ class LiveStorageTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Start a new peak window at the current live bytes."""
         self.peak_bytes = self.live_bytes
+        self.exact_peak_bytes = self.exact_live_bytes
+
+    def counted(self, size_bytes: int) -> int:
+        """`size_bytes` of one storage as this tracker counts it."""
+        return self.counting.of(size_bytes)
 
     def is_tracked(self, tensor: torch.Tensor) -> bool:
         return id(tensor.untyped_storage()) in self._tracked
@@ -137,17 +182,21 @@ class LiveStorageTracker(TorchDispatchMode):
     def _register(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)
-        size_bytes = storage.nbytes()
-        if key in self._tracked or size_bytes == 0:
+        exact_bytes = storage.nbytes()
+        if key in self._tracked or exact_bytes == 0:
             return
         self._tracked.add(key)
+        size_bytes = self.counted(exact_bytes)
         self.live_bytes += size_bytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(storage, self._release, key, size_bytes)
+        self.exact_live_bytes += exact_bytes
+        self.exact_peak_bytes = max(self.exact_peak_bytes, self.exact_live_bytes)
+        weakref.finalize(storage, self._release, key, size_bytes, exact_bytes)
 
-    def _release(self, key: int, size_bytes: int) -> None:
+    def _release(self, key: int, size_bytes: int, exact_bytes: int) -> None:
         self._tracked.discard(key)
         self.live_bytes -= size_bytes
+        self.exact_live_bytes -= exact_bytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         output = func(*args, **(kwargs or {}))
@@ -166,14 +215,20 @@ class AllocatorPhases:
     """Peak live bytes per phase from the CPU allocator's events (NOTE [compiled steps]).
 
     Use as a context manager; call `on_phase(name)` at the end of each phase. When the context exits,
-    `peaks` holds each phase's peak and `ends` the live bytes at its (last) end, both with
-    `resident_bytes` added, and `event_names` the names of every profiler event seen.
+    `peaks` holds each phase's peak and `ends` the live bytes at its (last) end, both with the storages
+    of `resident` (alive before the window) added and each allocation counted as `counting` says (the
+    current scope's by default); `exact_peaks` holds the peaks in exact bytes, and `event_names` the
+    names of every profiler event seen.
     """
 
-    def __init__(self, resident_bytes: int) -> None:
-        self.resident_bytes = resident_bytes
+    def __init__(self, resident: Iterable[torch.Tensor] = (), counting: MemoryCounting | None = None) -> None:
+        self.counting = current_counting() if counting is None else MemoryCounting(counting)
+        resident = list(resident)
+        self.resident_bytes = storage_bytes(resident, self.counting)
+        self.exact_resident_bytes = storage_bytes(resident, MemoryCounting.EXACT)
         self.peaks: dict[str, int] = {}
         self.ends: dict[str, int] = {}
+        self.exact_peaks: dict[str, int] = {}
         self.event_names: set[str] = set()
         self._profiler = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
@@ -196,22 +251,39 @@ class AllocatorPhases:
         self._profiler.__exit__(*exc_info)
         assert self._profiler.profiler is not None and self._profiler.profiler.kineto_results is not None
         events = sorted(self._profiler.profiler.kineto_results.events(), key=lambda event: event.start_ns())
-        live_bytes = phase_peak_bytes = 0
-        unmarked = False
-        for event in events:
-            self.event_names.add(event.name())
-            if event.name() == "[memory]":
-                live_bytes += event.nbytes()  # type: ignore[attr-defined]  # in the binding, not its stub
-                phase_peak_bytes = max(phase_peak_bytes, live_bytes)
-                unmarked = True
-            elif event.name().startswith(PHASE_MARK):
-                phase = event.name().removeprefix(PHASE_MARK)
-                peak_bytes = self.resident_bytes + phase_peak_bytes
-                self.peaks[phase] = max(self.peaks.get(phase, 0), peak_bytes)
-                self.ends[phase] = self.resident_bytes + live_bytes
-                phase_peak_bytes, unmarked = live_bytes, False
-        if unmarked or not self.peaks:
-            self.peaks[AFTER_LAST_PHASE] = self.resident_bytes + phase_peak_bytes
+        self.event_names = {event.name() for event in events}
+        marks = [
+            # nbytes is in the binding, not its stub; a free is negative, and counted as its allocation was
+            (event.name(), event.nbytes()) if event.name() == "[memory]" else (event.name(), 0)  # type: ignore[attr-defined]
+            for event in events
+        ]
+        self.peaks, self.ends = _phase_peaks(marks, self.counting, self.resident_bytes)
+        self.exact_peaks, _ = _phase_peaks(marks, MemoryCounting.EXACT, self.exact_resident_bytes)
+
+
+def _phase_peaks(
+    marks: Sequence[tuple[str, int]], counting: MemoryCounting, resident_bytes: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(peak, end) live bytes of each phase, from allocator events ("[memory]", signed bytes) and
+    phase marks in time order, each allocation counted as `counting` says."""
+    peaks: dict[str, int] = {}
+    ends: dict[str, int] = {}
+    live_bytes = phase_peak_bytes = 0
+    unmarked = False
+    for name, size_bytes in marks:
+        if name == "[memory]":
+            counted = counting.of(abs(size_bytes))
+            live_bytes += counted if size_bytes > 0 else -counted
+            phase_peak_bytes = max(phase_peak_bytes, live_bytes)
+            unmarked = True
+        elif name.startswith(PHASE_MARK):
+            phase = name.removeprefix(PHASE_MARK)
+            peaks[phase] = max(peaks.get(phase, 0), resident_bytes + phase_peak_bytes)
+            ends[phase] = resident_bytes + live_bytes
+            phase_peak_bytes, unmarked = live_bytes, False
+    if unmarked or not peaks:
+        peaks[AFTER_LAST_PHASE] = resident_bytes + phase_peak_bytes
+    return peaks, ends
 
 
 def is_compiled(model: torch.nn.Module) -> bool:
@@ -219,10 +291,12 @@ def is_compiled(model: torch.nn.Module) -> bool:
     return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (tied weights and views count once)."""
+def storage_bytes(tensors: Iterable[torch.Tensor], counting: MemoryCounting | None = None) -> int:
+    """Bytes of the distinct storages behind `tensors` (tied weights and views count once), each counted
+    as `counting` says (the current scope's by default)."""
+    counting = current_counting() if counting is None else counting
     sizes = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
-    return sum(sizes.values())
+    return sum(counting.of(size_bytes) for size_bytes in sizes.values())
 
 
 def make_optimizer(
@@ -248,12 +322,25 @@ def make_optimizer(
 
 @dataclass(frozen=True)
 class MeasuredStep:
-    """Measured peak and time of real training steps (the first two steps' peak; median step time)."""
+    """Measured peak and time of real training steps (the first two steps' peak; median step time).
+
+    `peak_bytes` and `phase_peak_bytes` count each storage in 512-byte blocks, as CUDA's caching
+    allocator counts them (on a GPU: `torch.cuda.max_memory_allocated`); `exact_peak_bytes` counts
+    tensor bytes (on a GPU: the allocator's requested bytes). Compare a plan's prediction with
+    `peak_in(plan.graph.memory_counting)`. `reserved_peak_bytes` is what the allocator reserved from
+    the device (`torch.cuda.max_memory_reserved`): None on the CPU, which has no caching allocator.
+    """
 
     peak_bytes: int
     phase_peak_bytes: dict[str, int]
     step_ms: float | None
     device: str
+    exact_peak_bytes: int = 0
+    reserved_peak_bytes: int | None = None
+
+    def peak_in(self, counting: MemoryCounting) -> int:
+        """The peak as `counting` counts it."""
+        return self.peak_bytes if MemoryCounting(counting) is MemoryCounting.BLOCKS else self.exact_peak_bytes
 
 
 def _optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
@@ -311,19 +398,57 @@ def _grad_scaler(step: TrainingStep, device: torch.device) -> torch.amp.GradScal
     return torch.amp.GradScaler(device.type) if step.grad_scaler else None
 
 
-@contextmanager
-def _cuda_phases(device: torch.device) -> Iterator[Callable[[str], None]]:
+@dataclass
+class _Peaks:
+    """Peaks of a measured step: per phase in blocks, and overall in exact and reserved bytes."""
+
+    phase_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    exact_bytes: int = 0
+    reserved_bytes: int | None = None
+
+
+def _cuda_peaks(run: Callable[[Callable[[str], None]], None], device: torch.device) -> _Peaks:
+    """Two steps on a GPU: the allocator's own statistics (allocated bytes are 512-byte blocks)."""
+    peaks = _Peaks(reserved_bytes=0)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    peaks: dict[str, int] = {}
 
     def on_phase(phase: str) -> None:
         torch.cuda.synchronize(device)
-        peaks[phase] = max(peaks.get(phase, 0), torch.cuda.max_memory_allocated(device))
+        stats = torch.cuda.memory_stats(device)
+        peaks.phase_bytes[phase] = max(peaks.phase_bytes.get(phase, 0), stats["allocated_bytes.all.peak"])
+        peaks.exact_bytes = max(peaks.exact_bytes, stats["requested_bytes.all.peak"])
+        peaks.reserved_bytes = max(peaks.reserved_bytes or 0, stats["reserved_bytes.all.peak"])
         torch.cuda.reset_peak_memory_stats(device)
 
-    on_phase.peaks = peaks  # type: ignore[attr-defined]
-    yield on_phase
+    for _ in range(2):
+        run(on_phase)
+    return peaks
+
+
+def _allocator_peaks(run: Callable[[Callable[[str], None]], None], resident: list[torch.Tensor]) -> _Peaks:
+    """Two steps of a compiled model on the CPU, from the allocator's events (NOTE [compiled steps])."""
+    with AllocatorPhases(resident, MemoryCounting.BLOCKS) as allocator:
+        for _ in range(2):
+            run(allocator.on_phase)
+    return _Peaks(phase_bytes=dict(allocator.peaks), exact_bytes=max(allocator.exact_peaks.values()))
+
+
+def _tracked_peaks(run: Callable[[Callable[[str], None]], None], resident: list[torch.Tensor]) -> _Peaks:
+    """Two steps on the CPU (or any device), counted by the live-storage tracker."""
+    peaks = _Peaks()
+    tracker = LiveStorageTracker(MemoryCounting.BLOCKS)
+    tracker.track(resident)
+
+    def on_phase(phase: str) -> None:
+        peaks.phase_bytes[phase] = max(peaks.phase_bytes.get(phase, 0), tracker.peak_bytes)
+        peaks.exact_bytes = max(peaks.exact_bytes, tracker.exact_peak_bytes)
+        tracker.reset_peak()
+
+    with tracker:
+        for _ in range(2):
+            run(on_phase)
+    return peaks
 
 
 def measure_step(
@@ -337,7 +462,8 @@ def measure_step(
     timed_steps: int = 0,
 ) -> MeasuredStep:
     """Run two real training steps as `step` describes them (accumulation, unscaling, clipping; one
-    micro-batch by default) and report their peak memory; optionally time more steps.
+    micro-batch by default) and report their peak memory, in 512-byte blocks and in exact bytes
+    (`MeasuredStep`); optionally time more steps.
 
     This trains `model`: its parameters, optimizer state and BatchNorm statistics change. Measure a
     copy (`copy.deepcopy`) when the original must stay as it is.
@@ -348,47 +474,26 @@ def measure_step(
     kwargs = dict(example_kwargs or {})
     first = next(iter(tensors_in((tuple(model.parameters()), inputs, kwargs))), None)
     device = first.device if first is not None else torch.device("cpu")
-    phase_peaks: dict[str, int] = {}
     scaler = _grad_scaler(step, device)
     run = functools.partial(_train_step, model, inputs, kwargs, loss_fn, built, step=step, scaler=scaler)
+    resident = [*model.parameters(), *model.buffers(), *tensors_in((inputs, kwargs))]
+    resident += _optimizer_state_tensors(built)
     if device.type == "cuda":
-        with _cuda_phases(device) as on_phase:
-            for _ in range(2):
-                run(on_phase)
-            phase_peaks = dict(on_phase.peaks)  # type: ignore[attr-defined]
+        peaks = _cuda_peaks(run, device)
     elif is_compiled(model):
-        existing = [*model.parameters(), *model.buffers(), *tensors_in((inputs, kwargs))]
-        existing += _optimizer_state_tensors(built)
         model.zero_grad(set_to_none=True)  # a gradient freed inside the window would not be seen freed
-        with AllocatorPhases(storage_bytes(existing)) as allocator:
-            for _ in range(2):
-                run(allocator.on_phase)
-        phase_peaks = dict(allocator.peaks)
+        peaks = _allocator_peaks(run, resident)
     else:
-        tracker = LiveStorageTracker()
-        tracker.track(
-            [
-                *model.parameters(),
-                *model.buffers(),
-                *tensors_in((inputs, kwargs)),
-                *_optimizer_state_tensors(built),
-            ]
-        )
-
-        def on_phase(phase: str) -> None:
-            phase_peaks[phase] = max(phase_peaks.get(phase, 0), tracker.peak_bytes)
-            tracker.reset_peak()
-
-        with tracker:
-            for _ in range(2):
-                run(on_phase)
-    phase_peaks.pop("start", None)
+        peaks = _tracked_peaks(run, resident)
+    peaks.phase_bytes.pop("start", None)
     step_ms = _median_step_ms(run, timed_steps) if timed_steps > 0 else None
     return MeasuredStep(
-        peak_bytes=max(phase_peaks.values()),
-        phase_peak_bytes=phase_peaks,
+        peak_bytes=max(peaks.phase_bytes.values()),
+        phase_peak_bytes=peaks.phase_bytes,
         step_ms=step_ms,
         device=str(device),
+        exact_peak_bytes=peaks.exact_bytes,
+        reserved_peak_bytes=peaks.reserved_bytes,
     )
 
 
@@ -469,3 +574,60 @@ def measure_timeline(
         peak_bytes=max((live_bytes for _, live_bytes in samples), default=tracker.live_bytes),
         device=str(first.device if first is not None else torch.device("cpu")),
     )
+
+
+class _AllocationRecorder(LiveStorageTracker):
+    """A LiveStorageTracker that also writes each storage's allocation and free as an allocator event,
+    named by the operator that made it."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryCounting.EXACT)
+        self.events: list[AllocatorEvent] = []
+        self._operator = "resident"
+
+    def _register(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        fresh = id(storage) not in self._tracked and storage.nbytes() > 0
+        super()._register(tensor)
+        if fresh:
+            name = f"{self._operator}#{len(self.events)}"
+            self.events.append(("malloc", name, storage.nbytes()))
+            weakref.finalize(storage, self.events.append, ("free", name))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._operator = str(func.overloadpacket.__name__)
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._operator = "resident"
+
+
+def record_allocations(
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] = default_loss,
+    optimizer: OptimizerSpec = "adam",
+    step: TrainingStep | None = None,
+) -> list[AllocatorEvent]:
+    """Every tensor storage two real training steps allocate and free, in order, as allocator events
+    ("malloc", name, bytes) / ("free", name) named by the operator that made each (parameters, buffers
+    and inputs first, as "resident"): a measured step for the caching allocator model (allocator.py).
+    Trains `model`, like `measure_step`."""
+    step = step or TrainingStep()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    built = make_optimizer(optimizer, parameters)
+    kwargs = dict(example_kwargs or {})
+    first = next(iter(tensors_in((tuple(model.parameters()), inputs, kwargs))), None)
+    device = first.device if first is not None else torch.device("cpu")
+    run = functools.partial(
+        _train_step, model, inputs, kwargs, loss_fn, built, step=step, scaler=_grad_scaler(step, device)
+    )
+    recorder = _AllocationRecorder()
+    recorder.track([*model.parameters(), *model.buffers(), *tensors_in((inputs, kwargs))])
+    with recorder:
+        for _ in range(2):
+            run(lambda _phase: None)
+    gc.collect()
+    return list(recorder.events)

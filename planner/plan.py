@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from planner.errors import format_bytes
 from planner.export import hf_kwargs, torch_snippet
-from planner.ir import PLAN_SCHEMA, ActivationGraph, Schedule, SimulationResult
+from planner.ir import PLAN_SCHEMA, ActivationGraph, BudgetKind, Schedule, SimulationResult
 from planner.report import render_summary
+from planner.reserved import ReservedPrediction, memory_snapshot, predict_reserved, write_snapshot
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
 from planner.simulate import simulate, store_everything
 
@@ -84,8 +85,20 @@ class Plan:
     for a plan loaded from JSON). `replan` solves it again."""
     compiled: CompiledStep | None = None
     """What `optimize(..., compile=True)` found compiling the plan (None for an eager plan)."""
+    card: str | None = None
+    """The named card whose memory set the budget (`optimize(..., device="h100-80gb")` without a
+    budget): its memory less `held_back_bytes`. None for a budget given by hand."""
+    held_back_bytes: int = 0
+    """Of the card's memory, what the budget leaves out for the CUDA context and cuBLAS workspaces
+    (NOTE [held back] in cost_model.py)."""
+    budget_kind: BudgetKind = BudgetKind.ALLOCATED
+    """What the budget (and `min_peak_bytes`) bounds: allocated or reserved bytes (NOTE [budget kinds]
+    in ir.py). `predicted_peak_bytes` is allocated bytes either way; `reserved` has the reserved ones."""
+    allocator_note: str = ""
+    """For a reserved budget, what `expandable_segments:True` would change (reserved.expandable_note)."""
     simulation: SimulationResult = field(init=False, repr=False)
     baseline: SimulationResult = field(init=False, repr=False)
+    _reserved: ReservedPrediction | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.simulation = simulate(self.graph, self.schedule)
@@ -126,6 +139,14 @@ class Plan:
     def baseline_peak_bytes(self) -> int:
         """Predicted peak without checkpointing, with the same accounting."""
         return self.baseline.peak_bytes
+
+    @property
+    def reserved(self) -> ReservedPrediction:
+        """The plan's peaks as CUDA's caching allocator would report them, reserved memory included, for
+        the default allocator and for expandable segments (predicted; reserved.py)."""
+        if self._reserved is None:
+            self._reserved = predict_reserved(self.graph, self.schedule)
+        return self._reserved
 
     @property
     def predicted_overhead(self) -> float:
@@ -171,6 +192,32 @@ class Plan:
 
         return plot_timeline(self, path, measured=measured)
 
+    def export_memory_snapshot(self, path: str | Path, *, measured: bool = False) -> Path:
+        """Write the plan's predicted step as a PyTorch memory snapshot (the pickle
+        `torch.cuda.memory._dump_snapshot` writes), for pytorch.org/memory_viz: the allocator model's
+        segments and every allocation, named by its storage, node and module (`reserved.memory_snapshot`).
+        With `measured=True`, two real training steps of `plan.module` instead (snapshots.py): the real
+        snapshot on a GPU, on the CPU the measured allocations through the same allocator model."""
+        if not measured:
+            return write_snapshot(memory_snapshot(self.graph, self.schedule), path)
+        if self.profile is None or self.module is None:
+            raise ValueError(
+                "a measured snapshot runs plan.module, and this plan has none (it was loaded from JSON); "
+                "export the predicted one, or the one of the plan planner.optimize returns"
+            )
+        from planner.snapshots import measured_snapshot
+
+        profiled, settings = self.profile, self.profile.settings
+        snapshot = measured_snapshot(
+            self.module,
+            profiled.example_args,
+            profiled.example_kwargs,
+            loss_fn=settings.loss_fn,
+            optimizer=settings.optimizer,
+            step=settings.step,
+        )
+        return write_snapshot(snapshot, path)
+
     def to_hf_kwargs(self) -> dict[str, Any]:
         """What to pass to a Hugging Face model's `gradient_checkpointing_enable`, when that equals the plan.
 
@@ -196,6 +243,10 @@ class Plan:
             },
             "schedule": schedule_to_dict(self.schedule),
             "graph": graph_to_dict(self.graph),
+            "card": self.card,
+            "held_back_bytes": self.held_back_bytes,
+            "budget_kind": self.budget_kind.value,
+            "allocator_note": self.allocator_note,
         }
 
     def to_json(self) -> str:
@@ -211,6 +262,10 @@ class Plan:
             budget_bytes=int(data["budget_bytes"]),
             min_peak_bytes=int(data["min_peak_bytes"]),
             solve_ms=float(data.get("solve_ms", 0.0)),
+            card=data.get("card"),
+            held_back_bytes=int(data.get("held_back_bytes", 0)),
+            budget_kind=BudgetKind(data.get("budget_kind", BudgetKind.ALLOCATED.value)),
+            allocator_note=str(data.get("allocator_note", "")),
         )
 
     @classmethod

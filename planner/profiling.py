@@ -43,13 +43,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from planner.allocator import AllocatorSettings
 from planner.blocks import longest_block_stack
 from planner.capture import Capture, call_shapes, candidate_units, capture
 from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import GIB, LargerShapeWarning, UnsupportedModel, format_bytes
 from planner.graph_api import Frontier, pareto_frontier, plan_graph
 from planner.graph_build import LOSS_NODE, build_activation_graph
-from planner.ir import GLUE_OP, ActivationGraph, CostModel, Schedule, TrainingStep
+from planner.ir import GLUE_OP, ActivationGraph, BudgetKind, CostModel, MemoryCounting, Schedule, TrainingStep
 from planner.measurement import OptimizerSpec, default_loss, tensors_in
 from planner.module_level import capture_model_call, rewrite_units
 from planner.plan import Plan
@@ -79,6 +80,7 @@ __all__ = [
     "budget_bytes_of",
     "example_call",
     "fsdp_unit_bytes",
+    "memory_counting_of",
     "profile",
     "training_step_of",
 ]
@@ -104,6 +106,8 @@ class ProfileSettings:
     sharding: Sharding
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
     """The autocast blocks (device type, dtype) the profile was made in: its graph's precision."""
+    memory_counting: MemoryCounting = MemoryCounting.BLOCKS
+    """How the graph counts each storage's bytes (NOTE [counted bytes] in ir.py)."""
 
 
 def _autocast_now() -> tuple[tuple[str, torch.dtype], ...]:
@@ -147,12 +151,39 @@ class Profile:
     settings: ProfileSettings
 
     def plan(
-        self, *, budget_gb: float | None = None, budget_bytes: int | None = None, solver: str = "auto"
+        self,
+        *,
+        budget_gb: float | None = None,
+        budget_bytes: int | None = None,
+        solver: str = "auto",
+        budget_kind: str | None = None,
+        allocator: AllocatorSettings | None = None,
     ) -> Plan:
         """The plan with the least predicted recompute whose predicted peak fits the budget, with its
-        module. Raises `InfeasibleBudget` (with the lowest achievable peak) when none fits."""
+        module. Raises `InfeasibleBudget` (with the lowest achievable peak) when none fits. The budget
+        bounds `budget_kind` memory (NOTE [budget kinds] in ir.py), by default `default_budget_kind`;
+        reserved memory is predicted for CUDA's caching allocator under `allocator` (default settings)."""
         budget = budget_bytes_of(budget_gb, budget_bytes)
-        return self.apply(plan_graph(self.graph, budget_bytes=budget, solver=solver))
+        kind = self.default_budget_kind if budget_kind is None else budget_kind
+        planned = plan_graph(
+            self.graph, budget_bytes=budget, solver=solver, budget_kind=kind, allocator=allocator
+        )
+        return self.apply(planned)
+
+    @property
+    def default_budget_kind(self) -> BudgetKind:
+        """What a budget bounds unless told: the memory whose exhaustion is the OOM. On a GPU (the model's
+        tensors on CUDA, or `device` naming a CUDA card) that is what CUDA's caching allocator reserves;
+        elsewhere, with no caching allocator, the allocated bytes."""
+        if self.graph.memory_counting is not MemoryCounting.BLOCKS:
+            return BudgetKind.ALLOCATED
+        device = self.settings.device
+        if device is not None:
+            on_gpu = device_spec(device).device_type == "cuda"
+        else:
+            tensors = [*self.model.parameters(), *tensors_in((self.example_args, self.example_kwargs))]
+            on_gpu = bool(tensors) and tensors[0].device.type == "cuda"
+        return BudgetKind.RESERVED if on_gpu else BudgetKind.ALLOCATED
 
     def pareto(
         self, *, points: int = 8, budgets_bytes: Sequence[int] | None = None, solver: str = "auto"
@@ -216,6 +247,7 @@ class Profile:
                     step=settings.step,
                     cost_model=CostModel.ANALYTIC,
                     device=device_spec("cpu"),
+                    memory_counting=settings.memory_counting,
                 )
                 if self.capture is None:
                     matched = {node.name: node.name for node in self.profiled_graph.nodes}
@@ -325,6 +357,7 @@ def profile(
     device: str | DeviceSpec | None = None,
     world_size: int = 1,
     sharding: str = "ddp",
+    memory_counting: str = "blocks",
 ) -> Profile:
     """Capture `model` and profile one training step of it; plan with `.plan(budget_gb=...)`.
 
@@ -341,6 +374,7 @@ def profile(
         world_size=world_size,
         sharding=_sharding(world_size, sharding),
         autocast=_autocast_now(),
+        memory_counting=memory_counting_of(memory_counting),
     )
     _refuse_sharded_model(model)
     args = example_call(example_inputs, example_kwargs)
@@ -365,6 +399,7 @@ def profile(
         step=settings.step,
         cost_model=cost_model,
         device=device,
+        memory_counting=settings.memory_counting,
     )
     log.info("profiled %d nodes in %.1f s", len(profiled.nodes), time.perf_counter() - started)
     return _profile_of(model, args, kwargs, captured, profiled, settings)
@@ -398,7 +433,7 @@ def _for_settings(
         profiled,
         world_size=settings.world_size,
         sharding=settings.sharding,
-        unit_parameter_bytes=fsdp_unit_bytes(model),
+        unit_parameter_bytes=fsdp_unit_bytes(model, profiled.memory_counting),
     )
     return for_training_step(sharded, settings.step)
 
@@ -420,6 +455,7 @@ def _profile_units(
         loss_fn=settings.loss_fn,
         optimizer=settings.optimizer,
         step=settings.step,
+        memory_counting=settings.memory_counting,
     )
     _check_units(model, profiled, reason)
     if settings.sharding is Sharding.FSDP:
@@ -449,7 +485,7 @@ def budget_bytes_of(budget_gb: float | None, budget_bytes: int | None) -> int:
     if (budget_gb is None) == (budget_bytes is None):
         raise ValueError(
             f"give exactly one of budget_gb (GiB, 2**30 bytes) or budget_bytes; got budget_gb={budget_gb!r}, "
-            f"budget_bytes={budget_bytes!r}"
+            f"budget_bytes={budget_bytes!r} (optimize also takes a card's memory: device='h100-80gb')"
         )
     if budget_gb is not None:
         if (
@@ -532,23 +568,37 @@ def _sharding(world_size: int, sharding: str) -> Sharding:
         raise ValueError(f"sharding={sharding!r} is not known; use one of {choices}") from error
 
 
-def fsdp_unit_bytes(model: torch.nn.Module) -> int:
+def fsdp_unit_bytes(model: torch.nn.Module, counting: MemoryCounting = MemoryCounting.BLOCKS) -> int:
     """Parameter bytes of the largest unit FSDP gathers at once: a block of the model's longest
     ModuleList/Sequential (where one calls `fully_shard` per block), or the parameters outside the
-    blocks, which the root unit holds (the whole model when it has no block stack)."""
+    blocks, which the root unit holds (the whole model when it has no block stack); each parameter
+    counted as `counting` says."""
     stack = longest_block_stack(model)
     blocks = list(stack[1]) if stack is not None else []
     seen: set[int] = set()
-    block_bytes = [_parameter_bytes(block, seen) for block in blocks]
-    rest_bytes = _parameter_bytes(model, seen)
+    block_bytes = [_parameter_bytes(block, seen, counting) for block in blocks]
+    rest_bytes = _parameter_bytes(model, seen, counting)
     return max([*block_bytes, rest_bytes])
 
 
-def _parameter_bytes(module: torch.nn.Module, seen: set[int]) -> int:
+def _parameter_bytes(module: torch.nn.Module, seen: set[int], counting: MemoryCounting) -> int:
     """Bytes of `module`'s parameters not already in `seen` (tied weights count once)."""
     total = 0
     for parameter in module.parameters():
         if id(parameter) not in seen:
             seen.add(id(parameter))
-            total += parameter.numel() * parameter.element_size()
+            total += counting.of(parameter.numel() * parameter.element_size())
     return total
+
+
+def memory_counting_of(memory_counting: str | MemoryCounting) -> MemoryCounting:
+    """The checked `memory_counting` argument."""
+    try:
+        return MemoryCounting(memory_counting)
+    except ValueError as error:
+        choices = [member.value for member in MemoryCounting]
+        raise ValueError(
+            f"memory_counting={memory_counting!r} is not known; use one of {choices}: 'blocks' counts each "
+            "tensor as CUDA's caching allocator does (the default, right for GPUs), 'exact' its own bytes "
+            "(for training on the CPU)"
+        ) from error

@@ -100,9 +100,9 @@ class ProfilingTracker(LiveStorageTracker):
         super()._register(tensor)
         if fresh:
             self.new_since_mark.append(weakref.ref(storage))
-            self.allocated_since_mark_bytes += storage.nbytes()
+            self.allocated_since_mark_bytes += storage.nbytes()  # bytes moved, for the cost model: exact
             if self._operator_cached:
-                self.keep_cache_since_mark_bytes += storage.nbytes()
+                self.keep_cache_since_mark_bytes += self.counted(storage.nbytes())
             elif self._operator_cached is not None:
                 key = id(storage)
                 self._replayed_keys.add(key)
@@ -130,7 +130,7 @@ class ProfilingTracker(LiveStorageTracker):
             self.names[key] = name
             if key in self._replayed_keys:
                 self.replayed_names.add(name)
-            self.storage_bytes[name] = storage.nbytes()
+            self.storage_bytes[name] = self.counted(storage.nbytes())
             weakref.finalize(storage, self._forget, key)
         return self.names[key]
 

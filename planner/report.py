@@ -27,8 +27,10 @@ from planner.errors import format_bytes
 from planner.ir import (
     NO_OPTIMIZER,
     ActivationGraph,
+    BudgetKind,
     Component,
     CostModel,
+    MemoryCounting,
     OptimizerName,
     Phase,
     Schedule,
@@ -439,20 +441,57 @@ def _plan_space_note(plan: Plan) -> str:
     return f"{quality}; {space}"
 
 
+def _reserved_rows(plan: Plan) -> list[str]:
+    """What CUDA's caching allocator would reserve for the plan (reserved.py), for plans counted as a
+    GPU counts; a plan for CPU training (exact bytes) has no caching allocator."""
+    if plan.graph.memory_counting is not MemoryCounting.BLOCKS:
+        return []
+    reserved = plan.reserved
+    verdict = "by CUDA's caching allocator"
+    if plan.budget_kind is BudgetKind.RESERVED:
+        verdict = _fits(plan.budget_bytes, reserved.reserved_peak_bytes)
+    return [
+        f"  {'predicted peak reserved':<32}{format_bytes(reserved.reserved_peak_bytes):>12}  {verdict} "
+        f"(the allocator's allocated peak {format_bytes(reserved.allocated_peak_bytes)})",
+        f"  {'  with expandable segments':<32}{format_bytes(reserved.expandable_reserved_peak_bytes):>12}  "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        *textwrap.wrap(plan.allocator_note, 104, initial_indent="  note: ", subsequent_indent="    "),
+    ]
+
+
+def _fits(budget_bytes: int, peak_bytes: int) -> str:
+    spare_bytes = budget_bytes - peak_bytes
+    return f"fits, {format_bytes(spare_bytes)} to spare" if spare_bytes >= 0 else "OVER the budget"
+
+
+def _card_note(plan: Plan) -> str:
+    """Where a budget taken from a card came from (NOTE [held back] in cost_model.py)."""
+    if plan.card is None:
+        return ""
+    return (
+        f"  {plan.card}'s memory less {format_bytes(plan.held_back_bytes)} held back for the CUDA context "
+        "and cuBLAS workspaces"
+    )
+
+
 def render_summary(plan: Plan) -> str:
     """The plain-text report of `plan` (see the module docstring for what it answers)."""
     result, baseline = plan.simulation, plan.baseline
     saving_bytes = plan.baseline_peak_bytes - plan.predicted_peak_bytes
-    spare_bytes = plan.budget_bytes - plan.predicted_peak_bytes
+    reserved_kind = plan.budget_kind is BudgetKind.RESERVED
     lines = [
         f"checkpoint plan: {plan.solver} solver, {len(plan.graph.nodes)} nodes captured by {plan.capture}, "
         f"optimizer {plan.graph.optimizer}",
         *_source_rows(plan),
-        f"  {'budget':<32}{format_bytes(plan.budget_bytes):>12}",
+        f"  bytes are {plan.graph.memory_counting.words}",
+        f"  {'budget':<32}{format_bytes(plan.budget_bytes):>12}{_card_note(plan)}",
+        f"  {'the budget bounds':<32}{plan.budget_kind.words}",
         f"  {'predicted peak':<32}{format_bytes(plan.predicted_peak_bytes):>12}  "
-        + (f"fits, {format_bytes(spare_bytes)} to spare" if spare_bytes >= 0 else "OVER the budget"),
+        + ("allocated" if reserved_kind else _fits(plan.budget_bytes, plan.predicted_peak_bytes)),
+        *_reserved_rows(plan),
         f"  {'predicted peak, no checkpointing':<32}{format_bytes(plan.baseline_peak_bytes):>12}",
-        f"  {'lowest achievable peak':<32}{format_bytes(plan.min_peak_bytes):>12}  (predicted, any plan)",
+        f"  {'lowest achievable peak':<32}{format_bytes(plan.min_peak_bytes):>12}  "
+        + ("(predicted reserved, lowest allocated plan)" if reserved_kind else "(predicted, any plan)"),
         f"  {'plan space':<32}{_plan_space_note(plan)}",
         f"  {'predicted saving':<32}{format_bytes(saving_bytes):>12}  "
         f"({saving_bytes / plan.baseline_peak_bytes:.1%} of no checkpointing)",

@@ -16,6 +16,11 @@ How it stays honest (NOTE [rescaling]):
   later capture is compared again; the caller drops the family at the first difference. Between the
   checked sizes the polynomial is assumed, not known: a kernel that changes its workspace at some size
   between two captures would go unseen, which is why the caller also checks the size it answers with.
+- In 512-byte blocks (the default counting, NOTE [counted bytes] in ir.py) a size rounded up to a block
+  is a polynomial only where the exact size is a multiple of 512 at every size; elsewhere the quadratic
+  through three rounded values misses a fourth capture (or comes out fractional), and the caller then
+  captures every size it probes. Counting exact bytes (`memory_counting="exact"`) keeps reuse wherever
+  the graph only rescales.
 - Times are not rescaled. Analytic times (profile.py) are recomputed from the rescaled FLOPs and bytes
   by the same roofline; measured times are measurements of one size, so graphs with measured times have
   no family (`fit` raises).

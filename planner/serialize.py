@@ -13,6 +13,7 @@ from planner.ir import (
     GRAPH_SCHEMA,
     ActivationGraph,
     CostModel,
+    MemoryCounting,
     Node,
     Region,
     RegionPolicy,
@@ -41,6 +42,7 @@ def graph_to_dict(graph: ActivationGraph) -> dict[str, Any]:
         "checkpoint_op_ms": graph.checkpoint_op_ms,
         "static": dataclasses.asdict(graph.static),
         "step": dataclasses.asdict(graph.step),
+        "memory_counting": graph.memory_counting.value,
         "storage_bytes": dict(graph.storage_bytes),
         "nodes": [
             {
@@ -89,7 +91,17 @@ def graph_from_dict(data: dict[str, Any]) -> ActivationGraph:
         checkpoint_call_ms=float(data.get("checkpoint_call_ms", 0.0)),
         checkpoint_op_ms=float(data.get("checkpoint_op_ms", 0.0)),
         step=TrainingStep(**data.get("step", {})),
+        memory_counting=_counting_from(data.get("memory_counting", MemoryCounting.EXACT.value)),
     )
+
+
+def _counting_from(raw: Any) -> MemoryCounting:
+    """A graph's `memory_counting`; documents written before it existed counted exact bytes."""
+    try:
+        return MemoryCounting(raw)
+    except ValueError as error:
+        choices = [member.value for member in MemoryCounting]
+        raise ValueError(f"memory_counting={raw!r} is not known; use one of {choices}") from error
 
 
 _RENAMED_NODE_FIELDS = {"allocated_bytes": "keep_cache_bytes"}

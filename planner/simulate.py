@@ -77,6 +77,7 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from planner.allocator import AllocatorEvent
 from planner.ir import (
     GLUE_OP,
     NO_OPTIMIZER,
@@ -93,6 +94,8 @@ from planner.ir import (
 )
 
 __all__ = [
+    "REPLAY_SUFFIX",
+    "AllocationLog",
     "CheckpointRule",
     "LiveBytes",
     "Replay",
@@ -269,27 +272,83 @@ class Replay:
         return max(self.points_bytes, default=0)
 
 
+REPLAY_SUFFIX = "@replay"
+"""Appended to a storage's name for its copy made again by a replay."""
+
+class AllocationLog:
+    """A simulated step's allocations and frees in order, one per storage, for the caching allocator
+    model (allocator.py): what a schedule asks of the device, not only how much at once.
+
+    A storage already live is not allocated again (a stored activation passes from forward to
+    backward); a workspace is one allocation made and freed at its node, on top of what is live there.
+    """
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self.sizes = sizes
+        self.events: list[AllocatorEvent] = []
+        self.live: set[str] = set()
+        self._transients = 0
+
+    def malloc(self, name: str, size_bytes: int | None = None) -> None:
+        """Allocate `name` (of its storage's size unless given), unless it is live or empty."""
+        if name in self.live:
+            return
+        size = self.sizes[name.removesuffix(REPLAY_SUFFIX)] if size_bytes is None else size_bytes
+        if size > 0:
+            self.live.add(name)
+            self.events.append(("malloc", name, size))
+
+    def free(self, name: str) -> None:
+        if name in self.live:
+            self.live.discard(name)
+            self.events.append(("free", name))
+
+    def transient(self, what: str, size_bytes: int) -> None:
+        """A workspace of `size_bytes` made and freed at once, beside everything live."""
+        self._transients += 1
+        name = f"{what}#{self._transients}"
+        self.malloc(name, size_bytes)
+        self.free(name)
+
+    def free_all(self, *, keep: frozenset[str] = frozenset()) -> None:
+        """Free everything live but `keep` (the end of a step)."""
+        for name in sorted(self.live - keep):
+            self.free(name)
+
+
 class LiveBytes:
     """Storages alive at a moment, with their running total; each leaves after a set step.
 
     Steps count up in forward and replay and down in backward (`descending=True`); a storage whose
     step has passed when it is added leaves after the current step. This keeps timelines O(nodes)
-    where re-summing the live set at every node would be O(nodes^2) on long regions.
+    where re-summing the live set at every node would be O(nodes^2) on long regions. With a `log`,
+    each storage entering and leaving is also an allocation and a free there (named with `suffix`).
     """
 
-    def __init__(self, sizes: dict[str, int], *, descending: bool = False) -> None:
+    def __init__(
+        self,
+        sizes: dict[str, int],
+        *,
+        descending: bool = False,
+        log: AllocationLog | None = None,
+        suffix: str = "",
+    ) -> None:
         self.sizes = sizes
         self.descending = descending
         self.names: set[str] = set()
         self.total_bytes = 0
         self._leaving: dict[int, list[str]] = {}
+        self._log = log
+        self._suffix = suffix
 
     def add(self, name: str, leaves_after: int | None, current: int) -> None:
         """Make `name` live until after step `leaves_after` (None: until removed by hand)."""
         if name in self.names:
             return
         self.names.add(name)
-        self.total_bytes += self.sizes[name.removesuffix("@replay")]
+        self.total_bytes += self.sizes[name.removesuffix(REPLAY_SUFFIX)]
+        if self._log is not None:
+            self._log.malloc(name + self._suffix)
         if leaves_after is not None:
             step = min(leaves_after, current) if self.descending else max(leaves_after, current)
             self._leaving.setdefault(step, []).append(name)
@@ -297,7 +356,9 @@ class LiveBytes:
     def remove(self, name: str) -> None:
         if name in self.names:
             self.names.discard(name)
-            self.total_bytes -= self.sizes[name.removesuffix("@replay")]
+            self.total_bytes -= self.sizes[name.removesuffix(REPLAY_SUFFIX)]
+            if self._log is not None:
+                self._log.free(name + self._suffix)
 
     def leaving_at(self, step: int) -> list[str]:
         """Names that leave after `step`."""
@@ -310,9 +371,15 @@ class LiveBytes:
 
 
 def replay_region(
-    graph: ActivationGraph, region: Region, trigger: int, last_read: dict[str, int], sizes: dict[str, int]
+    graph: ActivationGraph,
+    region: Region,
+    trigger: int,
+    last_read: dict[str, int],
+    sizes: dict[str, int],
+    log: AllocationLog | None = None,
 ) -> Replay:
-    """Replay `region` up to `trigger`: bytes the replay holds at each node (beyond what was live)."""
+    """Replay `region` up to `trigger`: bytes the replay holds at each node (beyond what was live);
+    with a `log`, its allocations there (the storages it makes again end in `REPLAY_SUFFIX`)."""
     made = {name for node in graph.nodes[region.start : trigger + 1] for name in node.creates}
     kept: dict[str, int] = {}
     for index in range(region.start, trigger + 1):
@@ -323,7 +390,7 @@ def replay_region(
     def leaves_after(name: str, current: int) -> int | None:
         return None if name in kept else min(last_read.get(name, current), trigger)
 
-    live = LiveBytes(sizes)
+    live = LiveBytes(sizes, log=log, suffix=REPLAY_SUFFIX)
     for index in region.keep:
         live.add(cache_name(graph, index), index, region.start)
         for name in cached_creates(graph.nodes[index]):
@@ -345,6 +412,8 @@ def replay_region(
             points.append(live.total_bytes + created_bytes + node.forward_workspace_bytes)
             for name in node.creates:
                 live.add(name, leaves_after(name, index), index)
+            if log is not None:
+                log.transient(f"{node.name}#replay-workspace", node.forward_workspace_bytes)
             recompute_ms += node.forward_ms
         live.finish(index)
     recompute_ms += selective_overhead_ms(graph, region)
@@ -373,7 +442,7 @@ def backward_workspace(node: Node, pending: LiveBytes, index: int) -> int:
     sizes = pending.sizes
 
     def released(names: tuple[str, ...]) -> int:
-        return sum(sizes[name] for name in names if name in leaving or f"{name}@replay" in leaving)
+        return sum(sizes[name] for name in names if name in leaving or f"{name}{REPLAY_SUFFIX}" in leaving)
 
     return max(workspace_bytes - released(freed) for workspace_bytes, freed in node.backward_points)
 
@@ -408,7 +477,7 @@ def selective_overhead_ms(graph: ActivationGraph, region: Region) -> float:
 
 
 def _bytes(sizes: dict[str, int], names: Iterable[str]) -> int:
-    return sum(sizes[name.removesuffix("@replay")] for name in names)
+    return sum(sizes[name.removesuffix(REPLAY_SUFFIX)] for name in names)
 
 
 @dataclass
@@ -486,10 +555,13 @@ def _after_backward(graph: ActivationGraph) -> list[tuple[Phase, str, int]]:
     return phases
 
 
-def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
-    """Predict peak memory, the phase that sets it, and recompute time of `schedule` on `graph`."""
+def simulate(
+    graph: ActivationGraph, schedule: Schedule, log: AllocationLog | None = None
+) -> SimulationResult:
+    """Predict peak memory, the phase that sets it, and recompute time of `schedule` on `graph`; with a
+    `log` (made over `storage_sizes(graph)`), also record the step's allocations and frees in order."""
     _validate(graph, schedule.regions)
-    sizes = storage_sizes(graph)
+    sizes = storage_sizes(graph) if log is None else log.sizes
     static = _static_components(graph)
     held, cached = _retention(graph, schedule)
     last_read = last_reads(graph)
@@ -501,7 +573,7 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
     def leaves_after(name: str) -> int | None:
         return None if name in held or name in cached else last_read.get(name, -1)
 
-    live = LiveBytes(sizes)
+    live = LiveBytes(sizes, log=log)
     for index, node in enumerate(graph.nodes):
         running = live.total_bytes + _bytes(sizes, node.creates)
         components = {
@@ -512,6 +584,8 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
         timeline.observe(Phase.FORWARD, node.name, components, trace)
         for name in node.creates:
             live.add(name, leaves_after(name), index)
+        if log is not None:
+            log.transient(f"{node.name}#workspace", node.forward_workspace_bytes)
         if index in keep:
             live.add(cache_name(graph, index), leaves_after(cache_name(graph, index)), index)
         live.finish(index)
@@ -525,7 +599,7 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
     for name, trigger in cached.items():
         taken_at.setdefault(trigger, []).append(name)
     last = len(graph.nodes) - 1
-    pending = LiveBytes(sizes, descending=True)
+    pending = LiveBytes(sizes, descending=True, log=log)
     for name in live.names:
         pending.add(name, held.get(name, -1), last)
     gradient_bytes = 0
@@ -536,7 +610,12 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
         if index in triggers:
             for name in taken_at.get(index, ()):
                 pending.remove(name)
-            replay = replay_region(graph, triggers[index], index, last_read, sizes)
+            in_flight = f"{node.name}#in-flight"
+            if log is not None:
+                log.malloc(in_flight, replay_workspace_bytes(graph, index))
+            replay = replay_region(graph, triggers[index], index, last_read, sizes, log)
+            if log is not None:
+                log.free(in_flight)
             recompute_ms += replay.recompute_ms
             components = {
                 **static,
@@ -549,7 +628,7 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
             }
             timeline.observe(Phase.RECOMPUTE, node.name, components, trace)
             for name, at in replay.kept.items():
-                pending.add(f"{name}@replay", at, index)
+                pending.add(f"{name}{REPLAY_SUFFIX}", at, index)
         components = {
             **static,
             Component.GRADIENTS: static[Component.GRADIENTS] + gradient_bytes,
@@ -557,6 +636,9 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
             Component.ACTIVATIONS: pending.total_bytes,
         }
         timeline.observe(Phase.BACKWARD, node.name, components, trace)
+        if log is not None:
+            log.malloc(f"{node.name}#gradients", node.parameter_gradient_bytes)
+            log.transient(f"{node.name}#backward-workspace", components[Component.WORKSPACE])
         pending.finish(index)
 
     for phase, node_name, workspace_bytes in _after_backward(graph):
@@ -566,6 +648,8 @@ def simulate(graph: ActivationGraph, schedule: Schedule) -> SimulationResult:
             Component.WORKSPACE: workspace_bytes,
         }
         timeline.observe(phase, node_name, components, trace)
+        if log is not None:
+            log.transient(node_name, workspace_bytes)
 
     assert timeline.peak_breakdown is not None
     return SimulationResult(

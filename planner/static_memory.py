@@ -33,7 +33,7 @@ from torch import fx
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 from planner.ir import NO_OPTIMIZER, StaticBytes, TrainingStep
-from planner.measurement import LiveStorageTracker, OptimizerSpec, make_optimizer, tensors_in
+from planner.measurement import LiveStorageTracker, OptimizerSpec, counted_bytes, make_optimizer, tensors_in
 
 __all__ = [
     "constant_bytes",
@@ -58,14 +58,14 @@ def _unique_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
         storage = tensor.untyped_storage()
         if id(storage) not in seen:
             seen.add(id(storage))
-            total += storage.nbytes()
+            total += counted_bytes(storage.nbytes())
     return total
 
 
 def _gradient_bytes_of(parameters: list[torch.nn.Parameter]) -> int:
     """Bytes of the parameters' `.grad` buffers (one per parameter object, in the parameter's dtype)."""
     unique = {id(p): p for p in parameters}
-    return sum(p.numel() * p.element_size() for p in unique.values())
+    return sum(counted_bytes(p.numel() * p.element_size()) for p in unique.values())
 
 
 def optimizer_implementation(
@@ -192,11 +192,13 @@ def _state_bytes(spec: OptimizerSpec, parameters: list[torch.nn.Parameter], devi
             optimizer = _copy_optimizer(spec, {id(parameter): stand_in}, [parameter], device_type)
             optimizer.step()
             state = [v for v in optimizer.state[stand_in].values() if isinstance(v, torch.Tensor)]
-            vectors = [v for v in state if v.dim() > 0]
+            vectors = {id(v.untyped_storage()): v for v in state if v.dim() > 0}.values()
             scalars_bytes = _unique_bytes([v for v in state if v.dim() == 0], set())
-            # State is elementwise but for scalars (the step count): scale only the rest.
-            by_kind[key] = scalars_bytes + math.ceil(
-                _unique_bytes(vectors, set()) * parameter.numel() / stand_in.numel()
+            # State is elementwise but for scalars (the step count): scale only the rest, each
+            # storage at the parameter's size before it is counted.
+            by_kind[key] = scalars_bytes + sum(
+                counted_bytes(math.ceil(v.untyped_storage().nbytes() * parameter.numel() / stand_in.numel()))
+                for v in vectors
             )
         total += by_kind[key]
     return total

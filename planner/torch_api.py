@@ -7,17 +7,19 @@ torch-free counterpart, for a graph captured elsewhere, is graph_api.py (`plan_g
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from planner.cost_model import DeviceSpec
+from planner.allocator import AllocatorSettings
+from planner.cost_model import DeviceSpec, device_spec
 from planner.graph_api import Frontier
-from planner.ir import TrainingStep
-from planner.measurement import MeasuredStep, OptimizerSpec, default_loss, measure_step
+from planner.ir import BudgetKind, TrainingStep
+from planner.measurement import MeasuredStep, OptimizerSpec, counting_scope, default_loss, measure_step
 from planner.plan import Plan
-from planner.profiling import budget_bytes_of, example_call, profile, training_step_of
+from planner.profiling import budget_bytes_of, example_call, memory_counting_of, profile, training_step_of
 from planner.solvers import check_solver
 
 __all__ = ["measure", "optimize", "pareto"]
@@ -39,6 +41,9 @@ def optimize(
     world_size: int = 1,
     sharding: str = "ddp",
     compile: bool = False,
+    memory_counting: str = "blocks",
+    budget_kind: str | None = None,
+    allocator_conf: str | None = None,
 ) -> Plan:
     """Plan activation checkpointing so one training step of `model` fits the budget:
     `planner.profile(model, example_inputs, ...)` and then `.plan(budget, solver)` on that profile.
@@ -59,6 +64,20 @@ def optimize(
     and bytes on a named device (`cost_model="analytic", device="h100"`), which also plans a model
     built on the meta device without allocating it.
 
+    Without a budget, a `device` that names a card with its memory (`"h100-80gb"`, `"a100-40gb"`,
+    `"rtx4090"`) gives it: the card's memory less its CUDA context and cuBLAS workspaces
+    (`plan.held_back_bytes`). Every byte figure (the budget, the predicted peak, the lowest achievable
+    peak) counts each tensor
+    storage as CUDA's caching allocator does, in 512-byte blocks (`memory_counting="blocks"`, the
+    default on every device: what `torch.cuda.max_memory_allocated` reports), or as its own bytes
+    (`memory_counting="exact"`, for training on the CPU). `budget_kind` says what the budget bounds:
+    `"reserved"`, what CUDA's caching allocator reserves (predicted by replaying the plan's allocations
+    through a model of it; the default when the model is on a GPU or `device` names a CUDA card, since
+    reserved memory is what runs out) or `"allocated"` (the default elsewhere). `plan.reserved` has
+    the plan's predicted reserved peak either way. Compiled plans bound allocated bytes. The allocator
+    is modelled with `allocator_conf`'s options (`"expandable_segments:True"`, `"max_split_size_mb:128"`),
+    by default those of this process's PYTORCH_CUDA_ALLOC_CONF, which the training process should share.
+
     The example call is `model(*example_inputs, **example_kwargs)`, one micro-batch. `step` describes
     the training step to fit (`TrainingStep`: gradient accumulation, clipping, GradScaler, zero_grad;
     default one micro-batch, no clipping). The budget is the whole step: parameters, gradients,
@@ -70,13 +89,22 @@ def optimize(
     its parameters, trains at the example's shapes and every smaller one within the budget, and warns
     once at a larger one (`plan.predicted_peak_bytes_for(...)` predicts any shape).
     """
-    budget = budget_bytes_of(budget_gb, budget_bytes)
+    budget, card = budget_and_card(budget_gb, budget_bytes, device)
     check_solver(solver)
+    counting = memory_counting_of(memory_counting)
+    allocator = allocator_settings_of(allocator_conf)
     if compile:
-        return _optimize_compiled(
-            model, example_inputs, example_kwargs, budget, optimizer, training_step_of(step), loss_fn, solver,
-            device, world_size,
-        )  # fmt: skip
+        if budget_kind == BudgetKind.RESERVED:
+            raise ValueError(
+                "compile=True plans bound allocated bytes, measured on the compiled step; budget_kind="
+                "'reserved' is for eager plans (pass budget_kind='allocated', or leave it out)"
+            )
+        with counting_scope(counting):
+            plan = _optimize_compiled(
+                model, example_inputs, example_kwargs, budget, optimizer, training_step_of(step), loss_fn,
+                solver, device, world_size,
+            )  # fmt: skip
+        return on_card(plan, card)
     profiled = profile(
         model,
         example_inputs,
@@ -88,8 +116,37 @@ def optimize(
         device=device,
         world_size=world_size,
         sharding=sharding,
+        memory_counting=counting,
     )
-    return profiled.plan(budget_bytes=budget, solver=solver)
+    plan = profiled.plan(budget_bytes=budget, solver=solver, budget_kind=budget_kind, allocator=allocator)
+    return on_card(plan, card)
+
+
+def allocator_settings_of(allocator_conf: str | None) -> AllocatorSettings:
+    """The caching allocator's settings from `allocator_conf`, by default from this process's
+    PYTORCH_CUDA_ALLOC_CONF (or its newer name, PYTORCH_ALLOC_CONF)."""
+    if allocator_conf is None:
+        allocator_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return AllocatorSettings.from_conf(allocator_conf)
+
+
+def budget_and_card(
+    budget_gb: float | None, budget_bytes: int | None, device: str | DeviceSpec | None
+) -> tuple[int, DeviceSpec | None]:
+    """The budget given, or without one the usable memory of the card `device` names (its memory less
+    what is held back, NOTE [held back] in cost_model.py) and that card."""
+    if budget_gb is None and budget_bytes is None and device is not None:
+        spec = device_spec(device)
+        if spec.usable_memory_bytes is not None:
+            return spec.usable_memory_bytes, spec
+    return budget_bytes_of(budget_gb, budget_bytes), None
+
+
+def on_card(plan: Plan, card: DeviceSpec | None) -> Plan:
+    """`plan`, saying which card's memory set its budget."""
+    if card is not None:
+        plan.card, plan.held_back_bytes = card.name, card.held_back_bytes
+    return plan
 
 
 def _optimize_compiled(
@@ -142,6 +199,7 @@ def pareto(
     device: str | DeviceSpec | None = None,
     world_size: int = 1,
     sharding: str = "ddp",
+    memory_counting: str = "blocks",
 ) -> Frontier:
     """Predicted (peak, recompute) frontier over budgets, from one captured and profiled graph.
 
@@ -161,6 +219,7 @@ def pareto(
         device=device,
         world_size=world_size,
         sharding=sharding,
+        memory_counting=memory_counting,
     )
     return profiled.pareto(points=points, budgets_bytes=budgets_bytes, solver=solver)
 
@@ -177,6 +236,8 @@ def measure(
 ) -> MeasuredStep:
     """Measured peak memory (and optionally step time) of two real training steps, each as `step`
     describes it (the same argument `optimize` takes; every micro-batch uses the example inputs).
+    The peak is reported in 512-byte blocks (`peak_bytes`, as a GPU counts) and in exact bytes
+    (`exact_peak_bytes`); `peak_in(plan.graph.memory_counting)` is the one to compare a plan with.
     Trains `model`."""
     return measure_step(
         model,

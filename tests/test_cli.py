@@ -224,6 +224,8 @@ def test_capacity_on_the_meta_device_plans_for_a_named_card(runner: CliRunner, t
     result = runner.invoke(app, [*arguments, "--quiet", "--json", str(json_path)])
     assert result.exit_code == 0, result.output
     table = json.loads(json_path.read_text())
-    assert table["card"] == "h100-80gb" and table["budget_bytes"] == 80 * 2**30
+    held_back = 2**30 + 2 * 32 * 2**20  # the CUDA context allowance and two 32 MiB cuBLAS workspaces
+    assert table["card"] == "h100-80gb" and table["budget_bytes"] == 80 * 2**30 - held_back
+    assert table["held_back_bytes"] == held_back
     assert table["timing"] == "analytic (h100-80gb)" and table["largest_without"] == 1024
     assert "the largest batch searched fits: search higher to find the limit" in table["notes"]

@@ -15,6 +15,8 @@ from api.jobs import TERMINAL, Job, JobStatus
 from api.routers import error_responses
 from api.schemas import JobView, PlanRequest, job_json
 from api.worker import JobFailed, PlanJob
+from planner.errors import GraphProblem, InvalidGraph
+from planner.ir import BudgetKind, MemoryCounting
 from planner.validate import validate_graph
 
 __all__ = ["router"]
@@ -42,7 +44,17 @@ async def create_plan(body: PlanRequest, runner: RunnerDep, settings: SettingsDe
     """Solve `graph` for `budget_bytes`: 200 with the plan, or 202 with a job to poll."""
     graph = body.graph.to_graph()
     validate_graph(graph, max_nodes=settings.max_nodes)
-    submission = runner.submit(PlanJob(graph=graph, budget_bytes=body.budget_bytes, solver=body.solver))
+    if body.budget_kind is BudgetKind.RESERVED and graph.memory_counting is not MemoryCounting.BLOCKS:
+        problem = "budget_kind 'reserved' needs a graph counted in 512-byte blocks (memory_counting 'blocks')"
+        raise InvalidGraph([GraphProblem(("memory_counting",), problem)])
+    job_request = PlanJob(
+        graph=graph,
+        budget_bytes=body.budget_bytes,
+        solver=body.solver,
+        budget_kind=body.budget_kind,
+        allocator_conf=body.allocator_conf,
+    )
+    submission = runner.submit(job_request)
     job = submission.job
     if job.status not in TERMINAL:
         job = await runner.wait(job, timeout_s=min(body.wait_s, settings.max_wait_s))

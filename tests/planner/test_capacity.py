@@ -73,6 +73,15 @@ def searched(request: pytest.FixtureRequest) -> tuple[Case, Capacity]:
     return case, case.capacity(solver="dp")
 
 
+@pytest.fixture(scope="module", params=list(CASES))
+def searched_in_exact_bytes(request: pytest.FixtureRequest) -> tuple[Case, Capacity]:
+    """The search counting tensors' own bytes, where every storage's size is a polynomial of the size.
+    In 512-byte blocks a size rounded up is not one, so a rescaled family rarely equals a fourth
+    capture and the search captures every size it probes (NOTE [rescaling] in rescale.py)."""
+    case = CASES[request.param]
+    return case, case.capacity(solver="dp", memory_counting="exact")
+
+
 def _next_size(table: Capacity, size: int) -> int:
     return table.candidates[table.candidates.index(size) + 1]
 
@@ -142,17 +151,21 @@ def test_the_meta_device_gives_the_same_answers(searched: tuple[Case, Capacity])
         real = table.row(row.size)
         # The optimizer step's temporaries are probed on scaled CPU stand-ins of meta parameters, an
         # upper bound by a few hundred bytes (planner/static_memory.py); everything else is exact.
+        # In 512-byte blocks each temporary rounded at its stand-in's size and scaled back up adds up to a
+        # block divided by the scale: an upper bound by a few KiB.
         assert row.baseline_peak_bytes == pytest.approx(real.baseline_peak_bytes, rel=1e-4)
-        assert row.min_peak_bytes == pytest.approx(real.min_peak_bytes, rel=1e-4)
+        assert real.min_peak_bytes <= row.min_peak_bytes <= real.min_peak_bytes * (1 + 5e-4)
         assert row.baseline_peak_bytes >= real.baseline_peak_bytes
 
 
-def test_rescaled_rows_equal_fresh_captures(searched: tuple[Case, Capacity]) -> None:
-    case, table = searched
+def test_rescaled_rows_equal_fresh_captures(searched_in_exact_bytes: tuple[Case, Capacity]) -> None:
+    case, table = searched_in_exact_bytes
     rescaled = [row for row in table.rows if row.source == "rescaled"]
     assert rescaled, f"the search reused no capture:\n{table}"
     row = rescaled[len(rescaled) // 2]
-    fresh = case.capacity(candidates=(row.size,), reuse_captures=False, solver="dp").row(row.size)
+    fresh = case.capacity(
+        candidates=(row.size,), reuse_captures=False, solver="dp", memory_counting="exact"
+    ).row(row.size)
     assert (fresh.baseline_peak_bytes, fresh.min_peak_bytes, fresh.source) == (
         row.baseline_peak_bytes,
         row.min_peak_bytes,

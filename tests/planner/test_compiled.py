@@ -28,7 +28,7 @@ from planner import zoo
 from planner.compiled import plan_compiled_step
 from planner.compiled_step import lowered_budget_bytes
 from planner.ir import TrainingStep
-from planner.measurement import AllocatorPhases, LiveStorageTracker, default_loss, storage_bytes
+from planner.measurement import AllocatorPhases, LiveStorageTracker, default_loss
 from planner.testing.zoo_real import build_call
 from tests.planner.compiled_steps import GRADIENT_RTOL, HUGE_BUDGET_BYTES, compiled_gradients
 
@@ -268,9 +268,10 @@ def test_the_allocator_counts_an_eager_step_as_the_storage_tracker_does() -> Non
     tracker.track(resident)
     with tracker:
         step(model, lambda phase: None)
-    with AllocatorPhases(storage_bytes([*copied.parameters(), *inputs])) as allocator:
+    with AllocatorPhases([*copied.parameters(), *inputs]) as allocator:
         step(copied, allocator.on_phase)
     assert max(allocator.peaks.values()) == tracker.peak_bytes
+    assert max(allocator.exact_peaks.values()) == tracker.exact_peak_bytes
 
 
 def test_a_compiled_plan_explains_itself_against_the_eager_plan() -> None:

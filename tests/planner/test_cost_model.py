@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -56,22 +58,23 @@ def test_operators_are_counted_and_the_selective_overhead_is_measured_or_estimat
 
 @pytest.mark.parametrize("name", ["gpt_tiny", "seed000_mlp"])
 def test_meta_device_plans_match_plans_of_the_real_model(name: str) -> None:
+    """Allocated budgets: the graphs and their plans are compared, not the allocator (planned for an H100,
+    a budget would bound reserved memory by default)."""
     model, inputs = build_model(name)
-    real = planner.optimize(model, inputs, budget_bytes=2**40, cost_model="analytic", device="h100")
+    options: dict[str, Any] = {"cost_model": "analytic", "device": "h100", "budget_kind": "allocated"}
+    real = planner.optimize(model, inputs, budget_bytes=2**40, **options)
     with torch.device("meta"):
         meta_model, meta_inputs = build_model(name)
     assert next(meta_model.parameters()).is_meta
-    meta = planner.optimize(meta_model, meta_inputs, budget_bytes=2**40, cost_model="analytic", device="h100")
+    meta = planner.optimize(meta_model, meta_inputs, budget_bytes=2**40, **options)
     assert meta.graph.storage_bytes == real.graph.storage_bytes
     assert [n.operator_count for n in meta.graph.nodes] == [n.operator_count for n in real.graph.nodes]
     assert meta.baseline_peak_bytes == real.baseline_peak_bytes
     assert meta.min_peak_bytes == real.min_peak_bytes
     budget = (real.min_peak_bytes + real.baseline_peak_bytes) // 2
     assert (
-        planner.optimize(
-            meta_model, meta_inputs, budget_bytes=budget, cost_model="analytic", device="h100"
-        ).schedule
-        == planner.optimize(model, inputs, budget_bytes=budget, cost_model="analytic", device="h100").schedule
+        planner.optimize(meta_model, meta_inputs, budget_bytes=budget, **options).schedule
+        == planner.optimize(model, inputs, budget_bytes=budget, **options).schedule
     )
 
 

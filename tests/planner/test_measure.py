@@ -9,13 +9,15 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import planner
+from planner.ir import MemoryCounting
 from planner.measurement import AllocatorPhases, LiveStorageTracker, default_loss
 from planner.zoo import build_model
 
 
 def test_tracker_agrees_with_mem_tracker_byte_for_byte() -> None:
+    """MemTracker counts exact bytes on the CPU (and 512-byte blocks on CUDA only)."""
     model, inputs = build_model("cnn_bn_dropout")
-    ours = planner.measure(copy.deepcopy(model), inputs, optimizer="adam").peak_bytes
+    ours = planner.measure(copy.deepcopy(model), inputs, optimizer="adam").exact_peak_bytes
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     reference = MemTracker()
     reference.track_external(model, optimizer, *inputs)
@@ -56,6 +58,34 @@ def test_measure_reports_each_phase_and_trains_the_model() -> None:
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 
+def test_the_tracker_counts_each_storage_in_512_byte_blocks_and_exactly() -> None:
+    """CUDA's caching allocator rounds a storage to max(512, ceil(n / 512) * 512) bytes; a view adds
+    nothing and an empty tensor allocates nothing."""
+    tracker = LiveStorageTracker()
+    with tracker:
+        one = torch.ones(1, dtype=torch.uint8)  # 1 byte -> 512
+        odd = torch.ones(513, dtype=torch.uint8)  # 513 -> 1,024
+        even = torch.ones(256, dtype=torch.float32)  # 1,024 -> 1,024
+        view = even[:10]
+        empty = torch.ones(0)
+        assert tracker.live_bytes == 512 + 1024 + 1024
+        assert tracker.exact_live_bytes == 1 + 513 + 1024
+        del one, odd
+    assert tracker.live_bytes == 1024 and tracker.exact_live_bytes == 1024
+    assert tracker.peak_bytes == 2560 and tracker.exact_peak_bytes == 1538
+    del view, empty, even
+
+
+def test_a_measured_step_reports_blocks_and_exact_bytes() -> None:
+    """`peak_bytes` is what a GPU counts; `exact_peak_bytes` the tensors' own bytes; blocks never less."""
+    model, inputs = build_model("cnn_bn_dropout")
+    step = planner.measure(model, inputs)
+    assert step.exact_peak_bytes < step.peak_bytes < step.exact_peak_bytes * 1.01
+    assert step.peak_in(MemoryCounting.BLOCKS) == step.peak_bytes
+    assert step.peak_in(MemoryCounting.EXACT) == step.exact_peak_bytes
+    assert step.reserved_peak_bytes is None  # the CPU has no caching allocator
+
+
 def test_garbage_from_an_earlier_measurement_does_not_lower_a_later_one() -> None:
     """The CPU allocator reports, in a later memory profile, the free of a block allocated under an
     earlier one. A cycle of garbage holding such a block, collected inside the window before the
@@ -67,9 +97,9 @@ def test_garbage_from_an_earlier_measurement_does_not_lower_a_later_one() -> Non
             self.tensor = tensor
             self.me = self
 
-    with AllocatorPhases(0):
+    with AllocatorPhases():
         Cycle(torch.ones(1_000_000))  # 4 MB, unreachable at once, held by its own cycle
-    with AllocatorPhases(0) as window:
+    with AllocatorPhases() as window:
         gc.collect()  # the collector runs during the step, before it allocates
         kept = torch.ones(500_000)
-    assert max(window.peaks.values()) == kept.untyped_storage().nbytes()
+    assert max(window.exact_peaks.values()) == kept.untyped_storage().nbytes()

@@ -19,7 +19,7 @@ import planner
 from planner.compiled import plan_compiled_step
 from planner.compiled_groups import SEEDS_NODE
 from planner.graph_build import LOSS_NODE
-from planner.ir import ActivationGraph, TrainingStep
+from planner.ir import ActivationGraph, MemoryCounting, TrainingStep
 from planner.measurement import default_loss
 from planner.simulate import held_storages
 
@@ -30,6 +30,7 @@ SEED = 7
 GRADIENT_RTOL = 1e-4
 PREDICTION_TOLERANCE = 0.05
 HUGE_BUDGET_BYTES = 2**40
+BLOCKS = MemoryCounting.BLOCKS
 
 
 class _MaskedLayer(nn.Module):
@@ -92,8 +93,8 @@ def test_a_mask_and_a_table_are_materialised_once_in_a_node_never_checkpointed()
     graph = _graph(model, inputs, HUGE_BUDGET_BYTES).graph
     front = graph.nodes[0]
     assert not front.checkpointable, front
-    mask_bytes = SEQUENCE * SEQUENCE  # bool
-    table_bytes = SEQUENCE * WIDTH * 4  # float32
+    mask_bytes = BLOCKS.of(SEQUENCE * SEQUENCE)  # bool, in 512-byte blocks as the graph counts
+    table_bytes = BLOCKS.of(SEQUENCE * WIDTH * 4)  # float32
     # the zeros bias is a fill: inlined for free, not in the front node
     assert _constant_bytes(graph, 0) == mask_bytes + table_bytes, front
     pinned = [node.name for node in graph.nodes if not node.checkpointable]
@@ -137,5 +138,5 @@ def test_a_frozen_first_layer_joins_the_front_node_and_the_layers_after_it_do_no
     front = graph.nodes[0]
     assert not front.checkpointable, front
     # the frozen Linear's output (an extern kernel's) and its ReLU, which the next Linear reads
-    assert _constant_bytes(graph, 0) == 2 * BATCH * 4 * WIDTH * 4, front
+    assert _constant_bytes(graph, 0) == 2 * BLOCKS.of(BATCH * 4 * WIDTH * 4), front
     assert all(node.checkpointable for node in graph.nodes[1:-1]), graph.nodes

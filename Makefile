@@ -4,7 +4,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,15 @@ test: lint
 
 bench: $(VENV)/.installed
 	$(PY) -m bench.fidelity
+
+# The device-memory predictions against a real CUDA allocator (bench/gpu_check.py): with the machine's own
+# CUDA build of torch where python3 has one (a lent GPU machine), else on the CPU through .venv.
+gpu-check:
+	@if python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then \
+		PYTHONPATH=. python3 -m bench.gpu_check; \
+	else \
+		$(MAKE) $(VENV)/.installed && $(PY) -m bench.gpu_check; \
+	fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

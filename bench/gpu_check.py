@@ -1,0 +1,270 @@
+"""`make gpu-check`: the device-memory predictions against a real CUDA allocator, in one short run.
+
+Why it exists: every byte figure the planner promises for a GPU (512-byte blocks, the caching allocator's
+reserved memory, what a card holds back for the CUDA context and cuBLAS) is modelled on a CPU, where CI
+and development run. The day a GPU is lent, this measures all of them at once (at most 8 minutes on one
+H100, nothing downloaded) and writes `bench/results/gpu_check.json`:
+
+1. `device`: the card, and what it holds back, measured: the CUDA context (the card's used memory
+   beyond what the allocator reserved, from `torch.cuda.mem_get_info` right after initialisation) and
+   the cuBLAS workspaces a training step's two threads allocate (`memory_allocated` before and after).
+   These replace the allowances of NOTE [held back] in planner/cost_model.py.
+2. `rows`: every zoo model and the Hugging Face models of planner/testing/zoo_real.py, planned on the
+   GPU at three budgets (the lowest allocated peak, halfway, no checkpointing) under the default
+   allocator and under `expandable_segments:True`; per row the predicted allocated peak (512-byte blocks)
+   and reserved peak (reserved.py) against `max_memory_allocated` and `max_memory_reserved` of two real
+   steps, less the cuBLAS workspaces the prediction leaves out.
+3. `node_times`: per-node forward times measured on the GPU against the analytic roofline of the card
+   (planner/cost_model.py), as the median and spread of their ratio.
+
+On a lent GPU machine, whose `python3` holds a CUDA build of torch, `make gpu-check` runs this with that
+interpreter and the repository on PYTHONPATH. Without CUDA (CI), part 2 runs on the CPU, where measured
+peaks are counted by the live-storage tracker in 512-byte blocks and reserved memory is only predicted,
+and the JSON says the CUDA parts were skipped.
+
+    .venv/bin/python -m bench.gpu_check                       # what `make gpu-check` runs
+    .venv/bin/python -m bench.gpu_check --quick --out /tmp/gpu_check.json   # two models, one budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import planner
+from planner.cost_model import DEVICES, cublas_workspace_bytes, device_spec
+from planner.ir import BudgetKind
+from planner.reserved import predict_reserved
+from planner.zoo import FIDELITY_ZOO, build_model
+
+log = logging.getLogger("bench.gpu_check")
+
+DEFAULT_OUT = Path("bench/results/gpu_check.json")
+FRACTIONS = (0.0, 0.5, 1.0)
+"""Budgets between the lowest allocated peak (0) and no checkpointing (1)."""
+ALLOCATOR_CONFS = ("", "expandable_segments:True")
+HF_MODELS = ("hf_gpt2", "hf_bert", "hf_llama", "hf_t5", "hf_vit")
+QUICK_MODELS = ("seed000_mlp", "gpt_tiny")
+TIMED_MODELS = ("gpt_tiny", "seed003_feedforward")
+SOLVER = "dp"
+"""The exact dynamic program: it needs no OR-tools, which a lent GPU machine's Python may lack."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A model and its example call, on the device the check runs on."""
+
+    name: str
+    model: torch.nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple | list):
+        return type(value)(_to(item, device) for item in value)
+    if isinstance(value, dict):
+        return {key: _to(item, device) for key, item in value.items()}
+    return value
+
+
+def _calls(names: tuple[str, ...], device: torch.device) -> Iterator[Call]:
+    from planner.testing.zoo_real import REAL_ZOO, build_call
+
+    for name in names:
+        if name in REAL_ZOO:
+            try:
+                call = build_call(name)
+            except ImportError as error:  # transformers is a dev extra
+                log.warning("%s skipped: %s", name, error)
+                continue
+            yield Call(name, call.model.to(device), _to(call.args, device), _to(call.kwargs, device))
+        else:
+            model, inputs = build_model(name)
+            yield Call(name, model.to(device), _to(inputs, device), {})
+
+
+@contextmanager
+def _allocator(conf: str, device: torch.device) -> Iterator[None]:
+    """The caching allocator configured by `conf` for what runs inside, with its cache emptied."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.memory._set_allocator_settings(conf or "expandable_segments:False")
+    torch.cuda.empty_cache()
+    try:
+        yield
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        torch.cuda.empty_cache()
+
+
+def _measured(plan: planner.Plan, call: Call, device: torch.device) -> dict[str, Any]:
+    """Two real steps of a copy of `plan.module`: allocated (blocks), exact and reserved peaks."""
+    assert plan.module is not None
+    module = copy.deepcopy(plan.module)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    step = planner.measure(module, call.args, example_kwargs=call.kwargs or None)
+    return {
+        "allocated_bytes": step.peak_bytes,
+        "exact_bytes": step.exact_peak_bytes,
+        "reserved_bytes": step.reserved_peak_bytes,
+    }
+
+
+def _rows(call: Call, device: torch.device, fractions: tuple[float, ...], workspace_bytes: int) -> list[dict]:
+    """One row per allocator setting and budget for `call` (see the module docstring, part 2)."""
+    profiled = planner.profile(call.model, call.args, example_kwargs=call.kwargs or None)
+    reference = profiled.plan(budget_bytes=2**62, budget_kind=BudgetKind.ALLOCATED, solver=SOLVER)
+    rows = []
+    for conf in ALLOCATOR_CONFS:
+        with _allocator(conf, device):
+            for fraction in fractions:
+                span = reference.baseline_peak_bytes - reference.min_peak_bytes
+                budget = int(reference.min_peak_bytes + fraction * span)
+                plan = profiled.plan(budget_bytes=budget, budget_kind=BudgetKind.ALLOCATED, solver=SOLVER)
+                reserved = predict_reserved(plan.graph, plan.schedule)
+                predicted_reserved = (
+                    reserved.expandable_reserved_peak_bytes if conf else reserved.reserved_peak_bytes
+                )
+                measured = _measured(plan, call, device)
+                allocated = measured["allocated_bytes"] - workspace_bytes
+                row = {
+                    "model": call.name,
+                    "allocator": conf or "default",
+                    "fraction": fraction,
+                    "budget_bytes": budget,
+                    "predicted_allocated_bytes": plan.predicted_peak_bytes,
+                    "predicted_allocator_allocated_bytes": reserved.allocated_peak_bytes,
+                    "predicted_reserved_bytes": predicted_reserved,
+                    "measured": measured,
+                    "allocated_error": (plan.predicted_peak_bytes - allocated) / allocated,
+                    "fits": allocated <= budget,
+                }
+                if measured["reserved_bytes"] is not None:
+                    row["reserved_error"] = (predicted_reserved - measured["reserved_bytes"]) / measured[
+                        "reserved_bytes"
+                    ]
+                rows.append(row)
+                log.info(
+                    "%s %s f=%.1f: predicted %d, measured %d (%+.2f %%)",
+                    call.name, conf or "default", fraction, plan.predicted_peak_bytes, allocated,
+                    100 * row["allocated_error"],
+                )  # fmt: skip
+    return rows
+
+
+def _device_facts(device: torch.device) -> dict[str, Any]:
+    """Part 1: the card and what it holds back, measured."""
+    if device.type != "cuda":
+        return {"type": device.type, "cuda": "skipped: no CUDA device on this machine"}
+    properties = torch.cuda.get_device_properties(device)
+    torch.cuda.init()
+    torch.empty(1, device=device)
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    context_bytes = total_bytes - free_bytes - torch.cuda.memory_reserved(device)
+    before = torch.cuda.memory_allocated(device)
+    weight = torch.randn(256, 256, device=device, requires_grad=True)
+    (weight @ weight).sum().backward()  # the forward thread's handle, then autograd's device thread's
+    torch.cuda.synchronize(device)
+    workspace_bytes = torch.cuda.memory_allocated(device) - before - 2 * weight.untyped_storage().nbytes()
+    major = properties.major
+    return {
+        "type": "cuda",
+        "name": properties.name,
+        "compute_capability": f"{properties.major}.{properties.minor}",
+        "total_bytes": total_bytes,
+        "measured_context_bytes": context_bytes,
+        "measured_cublas_workspace_bytes": workspace_bytes,
+        "allowance_context_bytes": DEVICES["h100"].context_bytes,
+        "allowance_cublas_workspace_bytes": 2 * cublas_workspace_bytes(major),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+
+
+def _node_times(device: torch.device, names: tuple[str, ...]) -> dict[str, Any]:
+    """Part 3: measured per-node forward times against the card's roofline."""
+    if device.type != "cuda":
+        return {"skipped": "no CUDA device on this machine"}
+    spec = device_spec("h100" if torch.cuda.get_device_capability(device)[0] >= 9 else "a100")
+    report: dict[str, Any] = {"analytic_device": spec.name}
+    for call in _calls(names, device):
+        measured = planner.profile(call.model, call.args, example_kwargs=call.kwargs or None).graph
+        analytic = planner.profile(
+            call.model, call.args, example_kwargs=call.kwargs or None, cost_model="analytic", device=spec
+        ).graph
+        ratios = [
+            m.forward_ms / a.forward_ms
+            for m, a in zip(measured.nodes, analytic.nodes, strict=False)
+            if m.name == a.name and a.forward_ms > 0 and m.forward_ms > 0
+        ]
+        report[call.name] = {
+            "nodes": len(ratios),
+            "median_measured_over_analytic": statistics.median(ratios) if ratios else None,
+            "min": min(ratios, default=None),
+            "max": max(ratios, default=None),
+        }
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_MODELS)}, one budget")
+    parser.add_argument("--models", help="comma-separated zoo or zoo_real names (default: all)")
+    arguments = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.perf_counter()
+    facts = _device_facts(device)
+    if arguments.models:
+        names = tuple(arguments.models.split(","))
+    elif arguments.quick:
+        names = QUICK_MODELS
+    else:
+        names = (*FIDELITY_ZOO, *HF_MODELS)
+    fractions = (0.5,) if arguments.quick else FRACTIONS
+    workspace_bytes = int(facts.get("measured_cublas_workspace_bytes", 0))
+    rows = [row for call in _calls(names, device) for row in _rows(call, device, fractions, workspace_bytes)]
+    timed = _node_times(device, () if arguments.quick else TIMED_MODELS)
+    errors = [abs(row["allocated_error"]) for row in rows]
+    document = {
+        "device": facts,
+        "summary": {
+            "rows": len(rows),
+            "fit": sum(row["fits"] for row in rows),
+            "worst_allocated_error": max(errors, default=None),
+            "worst_reserved_error": max(
+                (abs(row["reserved_error"]) for row in rows if "reserved_error" in row), default=None
+            ),
+            "seconds": round(time.perf_counter() - started, 1),
+        },
+        "rows": rows,
+        "node_times": timed,
+        "ran_on": str(device),
+    }
+    arguments.out.parent.mkdir(parents=True, exist_ok=True)
+    arguments.out.write_text(json.dumps(document, indent=1))
+    print(json.dumps(document["summary"]))
+    print(f"wrote {arguments.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -70,7 +70,7 @@ fi
 podman exec "$NAME" python -c "
 import json
 from planner.serialize import graph_to_dict
-from planner.simulate import simulate, store_everything
+from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak
 from planner.synthetic import residual_graph
 graph = residual_graph(node_count=41, nodes_per_block=10)

@@ -18,7 +18,6 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from api.jobs import Job, JobError, JobStatus
-from planner.allocator import AllocatorSettings
 from planner.graph_api import Frontier
 from planner.ir import (
     GRAPH_SCHEMA,
@@ -32,6 +31,7 @@ from planner.ir import (
     TrainingStep,
 )
 from planner.serialize import schedule_to_dict
+from planner.simulation.allocator import AllocatorSettings
 from planner.solvers import SOLVERS
 
 __all__ = [

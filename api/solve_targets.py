@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 from api.schemas import ParetoView
-from planner.allocator import AllocatorSettings
 from planner.graph_api import pareto_frontier, plan_graph
 from planner.serialize import graph_from_dict
+from planner.simulation.allocator import AllocatorSettings
 
 __all__ = ["solve_pareto", "solve_plan"]
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 from planner.serialize import graph_to_dict
-from planner.simulate import simulate, store_everything
+from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak
 from planner.synthetic import residual_graph
 from tests.api.postgres_server import fresh_database, running_postgres  # the tests' one copy

@@ -38,7 +38,7 @@ import planner
 from bench.docs_tables import refresh_quotes
 from bench.peers import machine, planner_revision
 from planner.ir import ActivationGraph
-from planner.simulate import simulate, store_everything
+from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak, solve
 from planner.synthetic import DAG_KINDS, dag_graph, residual_graph
 from planner.zoo import FIDELITY_ZOO, build_model

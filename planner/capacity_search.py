@@ -43,7 +43,7 @@ from planner.measurement import OptimizerSpec, tensors_in
 from planner.plan import Plan
 from planner.profiling import budget_bytes_of, memory_counting_of, profile, training_step_of
 from planner.rescale import FIT_SIZES, GraphFamily, NotRescalable
-from planner.simulate import for_training_step, simulate, store_everything
+from planner.simulation.step import for_training_step, simulate, store_everything
 from planner.sizing import (
     Price,
     Priced,

@@ -241,7 +241,7 @@ class Capture:
 
     def label(self, split: Collection[str] = ()) -> str:
         """`path`, saying which opaque modules (or modules kept whole for their hooks) a profile
-        split at their children's calls (NOTE [split calls] in simulate.py)."""
+        split at their children's calls (NOTE [split calls] in simulation/step.py)."""
         if not self.path.startswith(CapturePath.FX):
             return self.path
         opaque = [name for name in self.opaque_modules if name not in split]

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from planner.allocator import AllocatorSettings
 from planner.errors import InfeasibleBudget, ServiceError
 from planner.ir import ActivationGraph, BudgetKind, TrainingStep, breakdown_from
 from planner.plan import Plan
 from planner.serialize import graph_to_dict, schedule_from_dict
+from planner.simulation.allocator import AllocatorSettings
 
 if TYPE_CHECKING:
     import torch

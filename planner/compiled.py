@@ -118,7 +118,7 @@ from planner.measurement import (
     tensors_in,
 )
 from planner.plan import CompiledStep, Plan
-from planner.simulate import for_training_step
+from planner.simulation.step import for_training_step
 from planner.static_memory import optimizer_name, static_bytes
 
 __all__ = ["CompiledPlanning", "optimize_compiled", "plan_compiled_step", "profile_loss"]

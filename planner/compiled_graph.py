@@ -68,7 +68,7 @@ from planner.graph_build import LOSS_NODE
 from planner.ir import ActivationGraph, Node, Schedule, StaticBytes
 from planner.kernel_scratch import scratch_bytes
 from planner.measurement import counted_bytes, current_counting
-from planner.simulate import held_storages
+from planner.simulation.step import held_storages
 
 __all__ = ["CompiledGraph", "LossProfile", "build_compiled_graph"]
 
@@ -374,7 +374,7 @@ def _backward_by_group(
     kernel's output the memory of an input of the same size and dtype that no later kernel reads (`#
     reuse` in its wrapper), saved activations included. The simulator holds a group's saved
     activations until the group's backward step ends; what the step's kernels free (or reuse) earlier
-    becomes the node's `backward_points` (NOTE [early release] in simulate.py). `held_bytes` (the
+    becomes the node's `backward_points` (NOTE [early release] in simulation/step.py). `held_bytes` (the
     loss and its seed gradient) are live throughout.
     """
     group_of_seq = {

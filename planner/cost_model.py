@@ -32,7 +32,7 @@ card by `make gpu-check` (bench/gpu_check.py):
   cuBLASLt shares it (unified workspace, the default in torch 2.13). A training step holds two
   handles, the forward's thread's and autograd's device thread's, so two workspaces.
 Fragmentation (reserved above allocated) is not held back here: the allocator simulation predicts it
-for each plan (allocator.py).
+for each plan (simulation/allocator.py).
 """
 
 from __future__ import annotations

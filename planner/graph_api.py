@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.allocator import AllocatorSettings
 from planner.errors import InfeasibleBudget
 from planner.ir import ActivationGraph, BudgetKind, MemoryCounting, Schedule, SimulationResult
 from planner.plan import Plan
 from planner.reserved import expandable_note, solve_reserved
-from planner.simulate import simulate, store_everything
+from planner.simulation.allocator import AllocatorSettings
+from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak, solve
 
 __all__ = [

@@ -50,7 +50,7 @@ from planner.selective_cost import (
     measure_checkpoint_cost,
     measure_selective_op_overhead_ms,
 )
-from planner.simulate import simulate, store_everything
+from planner.simulation.step import simulate, store_everything
 from planner.split_calls import SplitCall, split_calls, static_split_calls
 from planner.static_memory import constant_bytes, extra_static_tensors, optimizer_name, static_bytes
 
@@ -443,7 +443,7 @@ def build_activation_graph(
     `"analytic"` prices it by FLOPs and bytes on `device` (see cost_model.py) and needs no timing run,
     which is the only choice for a model on the meta device. The graph describes one micro-batch that
     starts with no gradient; its static bytes include the end of `step` (clipping, unscaling, the
-    optimizer step), and `simulate.for_training_step` applies the rest of `step`.
+    optimizer step), and `for_training_step` (simulation/step.py) applies the rest of `step`.
     """
     with counting_scope(MemoryCounting(memory_counting)):
         return _profiled_graph(captured, model, inputs, loss_fn, optimizer, step, cost_model, device)

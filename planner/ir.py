@@ -11,7 +11,7 @@ inputs, gradients, optimizer state) is summarised in `StaticBytes`; only activat
 NOTE [measured residuals]: `forward_workspace_bytes` and `backward_workspace_bytes` are measured in one
 profiling step without checkpointing. They hold what a schedule cannot change: kernels' temporaries and,
 in backward, the gradients in flight and the parameter gradients produced so far. The simulator adds
-them to the activation memory that a schedule does change (see simulate.py).
+them to the activation memory that a schedule does change (see simulation/step.py).
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ class BudgetKind(StrEnum):
     NOTE [budget kinds]: a GPU raises out-of-memory when CUDA's caching allocator cannot reserve more
     memory, and reserved memory holds what allocated memory does plus segment remainders and cached
     blocks best fit cannot reuse. So a budget that must prevent the OOM bounds the reserved peak
-    (RESERVED, predicted by replaying the plan's allocations through allocator.py); ALLOCATED bounds
-    the simulator's peak, each storage counted as the graph counts it (what `max_memory_allocated`
+    (RESERVED, predicted by replaying the plan's allocations through simulation/allocator.py); ALLOCATED
+    bounds the simulator's peak, each storage counted as the graph counts it (what `max_memory_allocated`
     reports, or the live-storage tracker on the CPU, which has no caching allocator).
     """
 
@@ -163,20 +163,20 @@ class Node:
     backward_workspace_bytes: int
     replay_workspace_bytes: int | None = None
     """Of the backward residual, what is live when the node's backward first unpacks a saved tensor (the
-    gradients in flight): where a replay the node triggers runs (NOTE [early stop] in simulate.py).
+    gradients in flight): where a replay the node triggers runs (NOTE [early stop] in simulation/step.py).
     None where it was not measured (module-level and synthetic graphs)."""
     backward_points: tuple[tuple[int, tuple[str, ...]], ...] = ()
     """(workspace bytes, storages freed before) at moments of the node's backward where its saved
     storages are freed part way, as a compiled backward frees them after their last reader (a weight
     gradient's input, read before the input gradient is made): the simulator subtracts those the
-    schedule releases at this node (NOTE [early release] in simulate.py). Empty where the whole
+    schedule releases at this node (NOTE [early release] in simulation/step.py). Empty where the whole
     backward holds its saved storages, as eager autograd does: `backward_workspace_bytes` then."""
     parameter_gradient_bytes: int = 0
     """Parameter (and input) gradient bytes that first appear during this node's backward."""
     keep_cache_bytes: int = 0
     """What a selective checkpoint policy caches when it keeps this node: every storage its operators
     allocate, freed inside the node or not, less the outputs the policy replays (casts, scratch filled
-    in place; `saved_when_kept` in selective_cost.py). See NOTE [selective keeps] in simulate.py."""
+    in place; `saved_when_kept` in selective_cost.py). See NOTE [selective keeps] in simulation/step.py."""
     replayed_when_kept: tuple[str, ...] = ()
     """Storages among `creates` that a selective policy makes again in the replay rather than cache when
     it keeps this node (a weight's autocast cast): they leave after their last reader as unkept ones do."""
@@ -195,7 +195,7 @@ class Node:
     not follow (an opaque module, split at its children's calls while profiling): the call's own code
     between child calls (op `GLUE_OP`) or one child call. Empty for every other node. A checkpointed
     region holds all the parts of such a call or exactly one child call (NOTE [split calls] in
-    simulate.py)."""
+    simulation/step.py)."""
 
 
 GLUE_OP = "glue"
@@ -220,7 +220,7 @@ class StaticBytes:
     keeps these between micro-batches."""
     resident_gradient_bytes: int = 0
     """Gradient bytes live through forward and backward: `accumulated_gradient_bytes` when the training
-    step keeps gradients between micro-batches (see `for_training_step` in simulate.py), else 0."""
+    step keeps gradients between micro-batches (see `for_training_step` in simulation/step.py), else 0."""
     clip_workspace_bytes: int = 0
     """Temporaries of `clip_grad_norm_` on top of the gradients (per-gradient norms, the total norm)."""
     unscale_workspace_bytes: int = 0
@@ -322,7 +322,7 @@ class ActivationGraph:
     """Time a checkpointed region adds per operator of its nodes (`Node.operator_count`): checkpoint's
     Python hooks on every tensor the region saves, in forward and backward."""
     step: TrainingStep = TrainingStep()
-    """The training step the graph's accounting describes (see `for_training_step` in simulate.py)."""
+    """The training step the graph's accounting describes (see `for_training_step` in simulation/step.py)."""
     memory_counting: MemoryCounting = MemoryCounting.BLOCKS
     """How each storage's bytes are counted in every figure of the graph (NOTE [counted bytes])."""
 

@@ -40,8 +40,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from planner.allocator import AllocatorEvent
 from planner.ir import MemoryCounting, OptimizerName, TrainingStep
+from planner.simulation.allocator import AllocatorEvent
 
 __all__ = [
     "AllocatorPhases",
@@ -613,8 +613,8 @@ def record_allocations(
 ) -> list[AllocatorEvent]:
     """Every tensor storage two real training steps allocate and free, in order, as allocator events
     ("malloc", name, bytes) / ("free", name) named by the operator that made each (parameters, buffers
-    and inputs first, as "resident"): a measured step for the caching allocator model (allocator.py).
-    Trains `model`, like `measure_step`."""
+    and inputs first, as "resident"): a measured step for the caching allocator model
+    (simulation/allocator.py). Trains `model`, like `measure_step`."""
     step = step or TrainingStep()
     parameters = [p for p in model.parameters() if p.requires_grad]
     built = make_optimizer(optimizer, parameters)

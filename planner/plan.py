@@ -19,7 +19,7 @@ from planner.ir import PLAN_SCHEMA, ActivationGraph, BudgetKind, Schedule, Simul
 from planner.report import render_summary
 from planner.reserved import ReservedPrediction, memory_snapshot, predict_reserved, write_snapshot
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
-from planner.simulate import simulate, store_everything
+from planner.simulation.step import simulate, store_everything
 
 if TYPE_CHECKING:
     import torch

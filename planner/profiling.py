@@ -43,7 +43,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from planner.allocator import AllocatorSettings
 from planner.blocks import longest_block_stack
 from planner.capture import Capture, call_shapes, candidate_units, capture
 from planner.cost_model import DeviceSpec, device_spec
@@ -70,7 +69,8 @@ from planner.shapes import (
     outside_modes,
 )
 from planner.sharding import Sharding, shard_graph
-from planner.simulate import for_training_step, simulate
+from planner.simulation.allocator import AllocatorSettings
+from planner.simulation.step import for_training_step, simulate
 
 __all__ = [
     "FSDP_CAPTURE_NOTE",

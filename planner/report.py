@@ -37,7 +37,7 @@ from planner.ir import (
     SimulationResult,
 )
 from planner.naming import describe_region, display_module
-from planner.simulate import selective_overhead_ms, simulate, store_everything
+from planner.simulation.step import selective_overhead_ms, simulate, store_everything
 from planner.solvers import lowest_peak
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class LeverRule:
     """Optimizer names (lower case prefixes) the lever applies to; empty means any."""
     keeps_gradients: bool = False
     """The lever keeps every parameter's gradient alive through forward and backward (accumulation):
-    the forward/backward peak then holds all of them (NOTE [accumulated gradients] in simulate.py)."""
+    the forward/backward peak then holds all of them (NOTE [accumulated gradients] in simulation/step.py)."""
 
 
 SHARDING_DEVICES = 2

@@ -1,7 +1,7 @@
 """Predicted reserved memory: a schedule's allocations run through the caching allocator model.
 
 Why it exists: the simulator predicts the bytes live tensors hold (`max_memory_allocated`), but a GPU
-runs out of memory when CUDA's caching allocator cannot *reserve* more (allocator.py). What a plan
+runs out of memory when CUDA's caching allocator cannot *reserve* more (simulation/allocator.py). What a plan
 reserves depends on the order and sizes of its allocations, not only on their sum at the peak, so
 this replays the order the simulator walks (`simulate(..., log=...)`) through the allocator model:
 the default allocator and `expandable_segments:True`, side by side. Nothing here imports torch; the
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planner.allocator import AllocatorEvent, AllocatorSettings, CachingAllocatorModel, replay
 from planner.errors import InfeasibleBudget, format_bytes
 from planner.ir import BLOCK_BYTES, ActivationGraph, Schedule
-from planner.simulate import REPLAY_SUFFIX, AllocationLog, simulate, storage_sizes
+from planner.simulation.allocator import AllocatorEvent, AllocatorSettings, CachingAllocatorModel, replay
+from planner.simulation.step import REPLAY_SUFFIX, AllocationLog, simulate, storage_sizes
 from planner.solvers import lowest_peak, solve
 
 __all__ = [
@@ -80,7 +80,7 @@ class ReservedPrediction:
 
     allocated_peak_bytes: int
     """`max_memory_allocated`: the blocks handed out, each rounded and, where its segment's remainder was
-    too small to split, whole (NOTE [unsplit blocks] in allocator.py)."""
+    too small to split, whole (NOTE [unsplit blocks] in simulation/allocator.py)."""
     reserved_peak_bytes: int
     """`max_memory_reserved` with the default allocator: what the device must hold."""
     expandable_reserved_peak_bytes: int

@@ -342,7 +342,7 @@ def _split(graph_module: fx.GraphModule, regions: Sequence[RegionNodes]) -> fx.G
         body = getattr(split, name)
         region_module = CheckpointedRegion(body, set(region.keep), whole_calls=region.whole_calls)
         setattr(split, name, region_module)
-    # NOTE [split calls] in simulate.py: a child call runs under checkpoint inside a copy of its caller
+    # NOTE [split calls] in simulation/step.py: a child call runs under checkpoint inside a copy of its caller
     units = [region.unit_path for region in regions if region.unit_path is not None]
     with_checkpointed_units(split, units, copy_root=False)
     split.recompile()

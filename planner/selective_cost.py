@@ -8,7 +8,7 @@ chain of tiny blocks (the time of a checkpointed step less a plain step and the 
 part per call and a part per operator (its hooks run for every tensor the region saves); the planner
 charges both to every checkpointed region (`ActivationGraph.checkpoint_call_ms`, `checkpoint_op_ms`).
 
-A checkpointed region that keeps nodes (see NOTE [selective keeps] in simulate.py) runs under
+A checkpointed region that keeps nodes (see NOTE [selective keeps] in simulation/step.py) runs under
 `create_selective_checkpoint_contexts`: a TorchDispatchMode that calls back into Python for every
 operator of the region, in forward and again in the replay. On a small model that per-operator cost
 is larger than the recompute the keeps save, so the planner charges it: each region with keeps pays

@@ -68,7 +68,7 @@ on tensors, so it takes no part in aligning two captures."""
 class RegionNodes:
     """A checkpointed region as FX node names, in execution order, and the names of its kept nodes.
 
-    A region that is one child call of a split call (NOTE [split calls] in simulate.py) names its
+    A region that is one child call of a split call (NOTE [split calls] in simulation/step.py) names its
     caller's node and has `unit_path`, the child's module path: the child runs under checkpoint
     inside a copy of its caller, the caller's node stays in the graph."""
 

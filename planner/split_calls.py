@@ -5,7 +5,7 @@ that carries hooks as one node, and a node is checkpointed whole or not at all. 
 children (the layers of a block with hooks) that could be checkpointed one by one. The profiling step
 runs it with hooks on its children and records parts: the call's own code between child calls (glue)
 and each child call, so that a plan can checkpoint one child, by running it under checkpoint inside a
-copy of the module, or the whole call (NOTE [split calls] in simulate.py).
+copy of the module, or the whole call (NOTE [split calls] in simulation/step.py).
 
 A call whose children are called depending on the data (a mixture of experts routing tokens by their
 values) is not split: checkpointing one expert would move bytes with the routing from step to step,
@@ -55,7 +55,7 @@ class NodeRecorder(Protocol):
 class SplitCall:
     """One call of a module the capture could not follow, profiled as parts: its own code between its
     children's calls (glue) and each child call, so that a plan can checkpoint one child (a layer of a
-    block with hooks) or the whole call (NOTE [split calls] in simulate.py).
+    block with hooks) or the whole call (NOTE [split calls] in simulation/step.py).
 
     Forward hooks on the children open and close the parts. Glue creates every new storage still alive
     when it ends (the call's locals), reads what is freed while it runs and, last, the call's
@@ -180,7 +180,7 @@ class SplitCall:
 
 def split_calls(captured: Capture) -> dict[str, tuple[str, ...]]:
     """Modules the capture kept as one node (opaque, or whole for their hooks) whose calls are
-    profiled in parts, with the children that cut them (NOTE [split calls] in simulate.py)."""
+    profiled in parts, with the children that cut them (NOTE [split calls] in simulation/step.py)."""
     graph_module = captured.graph_module
     found: dict[str, tuple[str, ...]] = {}
     for node in graph_module.graph.nodes:

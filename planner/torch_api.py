@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from planner.allocator import AllocatorSettings
 from planner.cost_model import DeviceSpec, device_spec
 from planner.graph_api import Frontier
 from planner.ir import BudgetKind, TrainingStep
 from planner.measurement import MeasuredStep, OptimizerSpec, counting_scope, default_loss, measure_step
 from planner.plan import Plan
 from planner.profiling import budget_bytes_of, example_call, memory_counting_of, profile, training_step_of
+from planner.simulation.allocator import AllocatorSettings
 from planner.solvers import check_solver
 
 __all__ = ["measure", "optimize", "pareto"]

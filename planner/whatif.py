@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from planner.blocks import block_spans, main_container, numbered_containers
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule, merge_stored
-from planner.simulate import CheckpointRule, simulate
+from planner.simulation.step import CheckpointRule, simulate
 
 __all__ = [
     "WhatIf",

@@ -31,6 +31,7 @@ STAGES: dict[str, int] = {
     "serialize": 0,
     "validate": 0,
     "zoo": 0,
+    "simulation": 1,  # the torch-free models of a step and of CUDA's caching allocator
     "solvers": 4,  # ActivationGraph -> Schedule, without torch
     "client": 11,  # the entry points
     "cli": 11,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from planner.errors import InfeasibleBudget
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule, SimulationResult
-from planner.simulate import CheckpointRule, simulate, store_everything
+from planner.simulation.step import CheckpointRule, simulate, store_everything
 from planner.solvers.chain import Chain, build_chain
 from planner.solvers.dp import CostTable, least_recompute, min_peak_schedule, region_costs, tabulate
 from planner.solvers.ilp import DETERMINISTIC_SECONDS, ilp_schedule

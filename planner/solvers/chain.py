@@ -28,7 +28,7 @@ checkpointed region that took it as an input. Those are counted once, in the byt
 retain; the others are the region's own. A crossing storage the region does not read (a U-Net skip
 passing by) is live through the region's forward and, unless held, not in its backward. A solver's
 state at a boundary is therefore (position, the crossing storages held so far), and region costs are
-exact with respect to the simulator (simulate.py) for every state: the retained bytes before a region
+exact with respect to the simulator (simulation/step.py) for every state: the retained bytes before a region
 plus each of its points is the simulated live activation memory at that moment (a test checks).
 
 For a region [start, stop) under a policy, entered with `held_in`, `region_cost` returns:
@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from planner.ir import ActivationGraph, Region, RegionPolicy
-from planner.simulate import (
+from planner.simulation.step import (
     LiveBytes,
     backward_workspace,
     cache_name,

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from planner.ir import Region, RegionPolicy, Schedule, merge_stored
-from planner.simulate import CheckpointRule
+from planner.simulation.step import CheckpointRule
 from planner.solvers.chain import Chain, RegionCostSummary, State
 from planner.solvers.region_costs import RegionCosts
 

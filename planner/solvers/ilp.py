@@ -2,7 +2,7 @@
 
 The plan space is `dp`'s (regions between candidate boundaries, each stored or checkpointed) plus,
 inside a checkpointed region, a set of nodes whose outputs are kept instead of replayed (NOTE
-[selective keeps] in simulate.py). Keeping an expensive matmul and replaying the cheap pointwise ops
+[selective keeps] in simulation/step.py). Keeping an expensive matmul and replaying the cheap pointwise ops
 around it is how Megatron's selective recompute saves most activation memory for a few percent of
 extra compute.
 
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from planner.ir import Region, RegionPolicy, Schedule, merge_stored
-from planner.simulate import recompute_trigger, replay_stop, selective_overhead_ms
+from planner.simulation.step import recompute_trigger, replay_stop, selective_overhead_ms
 from planner.solvers.chain import Chain, RegionCost, RegionCostSummary, State, keep_effect
 from planner.solvers.dp import CostTable, least_recompute
 from planner.solvers.region_costs import RegionCosts

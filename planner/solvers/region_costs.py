@@ -11,7 +11,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from planner.ir import Region, RegionPolicy
-from planner.simulate import (
+from planner.simulation.step import (
     checkpoint_overhead_ms,
     held_storages,
     recompute_trigger,

@@ -18,7 +18,7 @@ import httpx
 
 from planner.ir import ActivationGraph
 from planner.serialize import graph_to_dict
-from planner.simulate import simulate, store_everything
+from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak
 from planner.synthetic import residual_graph
 

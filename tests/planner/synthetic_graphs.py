@@ -9,7 +9,7 @@ import random
 from collections.abc import Iterator
 
 from planner.ir import GLUE_OP, ActivationGraph, Node, Region, RegionPolicy, Schedule, StaticBytes
-from planner.simulate import CheckpointRule
+from planner.simulation.step import CheckpointRule
 
 MIB = 2**20
 
@@ -199,7 +199,7 @@ def saved_before_made(graph: ActivationGraph, rng: random.Random) -> ActivationG
 
 def with_split_call(graph: ActivationGraph, start: int, stop: int, caller: str = "mixer") -> ActivationGraph:
     """`graph` with nodes [start, stop) made the parts of one split call (NOTE [split calls] in
-    simulate.py): glue at even offsets, child calls between them."""
+    simulation/step.py): glue at even offsets, child calls between them."""
     nodes = list(graph.nodes)
     for offset, index in enumerate(range(start, stop)):
         glue = offset % 2 == 0

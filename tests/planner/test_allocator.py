@@ -1,4 +1,4 @@
-"""The caching-allocator model (planner/allocator.py) against cases worked out by hand from
+"""The caching-allocator model (planner/simulation/allocator.py) against cases worked out by hand from
 c10/cuda/CUDACachingAllocator.cpp, invariants over random malloc/free sequences, and torch's own
 snapshot readers (torch.cuda._memory_viz), which run without CUDA."""
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from planner.allocator import (
+from planner.simulation.allocator import (
     AllocatorPeaks,
     AllocatorSettings,
     CachingAllocatorModel,
@@ -21,7 +21,7 @@ from planner.allocator import (
     replay,
     round_size,
 )
-from planner.allocator import roundup_power2_next_division as next_division
+from planner.simulation.allocator import roundup_power2_next_division as next_division
 
 KIB = 2**10
 MIB = 2**20
@@ -514,5 +514,5 @@ def test_snapshot_is_read_by_torch_memory_viz() -> None:
 
 
 def test_importing_the_model_does_not_import_torch() -> None:
-    code = "import sys, planner.allocator; assert 'torch' not in sys.modules"
+    code = "import sys, planner.simulation.allocator; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

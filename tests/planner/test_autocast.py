@@ -18,7 +18,7 @@ import torch
 
 import planner
 from planner.ir import Region, RegionPolicy, Schedule
-from planner.simulate import simulate
+from planner.simulation.step import simulate
 from planner.testing.steps import StepRecord, assert_same_step, one_step
 from planner.testing.zoo_real import HUGGING_FACE, ExampleCall, build_call
 from tests.planner.real_models import PREDICTION_TOLERANCE

@@ -297,7 +297,7 @@ def test_no_compiled_peer_measures_below_the_lowest_peak_we_plan() -> None:
     compiled, each measure at or above our lowest compiled peak; our plan there measures exactly what
     it predicts. Seed 003 at 0.2 measured 78.16 MiB while our lowest was predicted at 83.15 MiB: a
     replay's storages were held through the trigger's whole backward, though a compiled backward frees
-    each after its last reader (NOTE [early release] in simulate.py), and the loss and its seed
+    each after its last reader (NOTE [early release] in simulation/step.py), and the loss and its seed
     gradient (8 bytes) were not counted."""
     from bench.compare import budget_backend
     from bench.peers import every_block_peer

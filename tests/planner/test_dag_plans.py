@@ -9,7 +9,7 @@ import random
 import pytest
 
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
-from planner.simulate import simulate
+from planner.simulation.step import simulate
 from planner.solvers import _tables, lowest_peak, solve
 from planner.solvers.chain import region_cost
 from tests.planner.synthetic_graphs import all_schedules, random_dag, saved_before_made

@@ -26,7 +26,7 @@ import torch
 import planner
 from planner.capture import CapturePath, has_hooks
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
-from planner.simulate import simulate
+from planner.simulation.step import simulate
 from planner.testing.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
 from planner.zoo_dag import checkpoint_every_instance, repeated_module_types

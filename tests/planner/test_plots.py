@@ -16,7 +16,7 @@ from planner.plots import (
     timeline_figure,
     timeline_positions,
 )
-from planner.simulate import simulate, store_everything
+from planner.simulation.step import simulate, store_everything
 from tests.planner.synthetic_graphs import MIB, chain_graph
 
 

@@ -21,7 +21,7 @@ from planner.report import (
     levers_at_lowest_peak,
     peak_components,
 )
-from planner.simulate import simulate, store_everything
+from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak
 from tests.planner.synthetic_graphs import MIB, chain_graph, static_bytes, with_selective_price
 

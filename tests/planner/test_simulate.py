@@ -8,7 +8,7 @@ import pytest
 
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
-from planner.simulate import simulate, store_everything
+from planner.simulation.step import simulate, store_everything
 from planner.solvers.chain import build_chain, region_cost
 from tests.planner.synthetic_graphs import MIB, chain_graph, with_selective_price
 

@@ -10,7 +10,7 @@ import pytest
 
 from planner.errors import InfeasibleBudget
 from planner.ir import ActivationGraph, Schedule
-from planner.simulate import simulate, store_everything
+from planner.simulation.step import simulate, store_everything
 from planner.solvers import SOLVERS, lowest_peak, solve
 from planner.solvers.chain import build_chain
 from planner.solvers.dp import Objective, _Partials, _prune

@@ -1,6 +1,6 @@
 """Calls the capture could not follow (a block with hooks, a forward with Python control flow) are planned
 at the level of their children: a plan checkpoints one child call, or the whole call, never a run that
-cuts the call's own Python code (NOTE [split calls] in planner/simulate.py)."""
+cuts the call's own Python code (NOTE [split calls] in planner/simulation/step.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 
 import planner
 from planner.ir import GLUE_OP, ActivationGraph, Region, RegionPolicy, Schedule
-from planner.simulate import CheckpointRule, simulate
+from planner.simulation.step import CheckpointRule, simulate
 from planner.solvers import solve
 from planner.testing.steps import assert_same_step, one_step
 from planner.testing.zoo_real import build_call

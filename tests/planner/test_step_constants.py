@@ -21,7 +21,7 @@ from planner.compiled_groups import SEEDS_NODE
 from planner.graph_build import LOSS_NODE
 from planner.ir import ActivationGraph, MemoryCounting, TrainingStep
 from planner.measurement import default_loss
-from planner.simulate import held_storages
+from planner.simulation.step import held_storages
 
 SEQUENCE = 24
 WIDTH = 16

@@ -10,7 +10,7 @@ import pytest
 from planner.blocks import main_container, numbered_containers
 from planner.ir import RegionPolicy, Schedule
 from planner.plan import Plan
-from planner.simulate import simulate
+from planner.simulation.step import simulate
 from planner.whatif import (
     baselines,
     compare,

@@ -1,7 +1,7 @@
 """A torch-free model of PyTorch's CUDA caching allocator: the segments it reserves for a sequence of
 allocations and frees, and so what `torch.cuda.max_memory_reserved()` would report.
 
-Why it exists: the simulator (simulate.py) predicts the bytes that live tensors hold, which is what
+Why it exists: the simulator (step.py) predicts the bytes that live tensors hold, which is what
 `max_memory_allocated` measures. A job runs out of memory when the allocator cannot *reserve* more, and
 reserved memory also holds rounding, segment remainders too small to split off and cached free blocks
 that best fit cannot reuse (fragmentation). Replaying a step's allocations through this model turns an
@@ -85,7 +85,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from planner.allocator_settings import (
+from planner.errors import PlannerError, format_bytes
+from planner.simulation.allocator_conf import (
     DEFAULT_SETTINGS,
     IGNORED_OPTIONS,
     LARGE_BUFFER_BYTES,
@@ -94,7 +95,6 @@ from planner.allocator_settings import (
     UNMODELLED_OPTIONS,
     AllocatorSettings,
 )
-from planner.errors import PlannerError, format_bytes
 
 __all__ = [
     "FRAME_FILENAME",

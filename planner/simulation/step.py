@@ -77,7 +77,6 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from planner.allocator import AllocatorEvent
 from planner.ir import (
     GLUE_OP,
     NO_OPTIMIZER,
@@ -92,6 +91,7 @@ from planner.ir import (
     TraceStep,
     TrainingStep,
 )
+from planner.simulation.allocator import AllocatorEvent
 
 __all__ = [
     "REPLAY_SUFFIX",

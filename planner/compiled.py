@@ -117,8 +117,9 @@ from planner.measurement import (
     end_autocast_forward,
     tensors_in,
 )
-from planner.plan import CompiledStep, Plan
+from planner.plan import Plan
 from planner.simulation.step import for_training_step
+from planner.solvers.solved_plan import CompiledStep
 from planner.static_memory import optimizer_name, static_bytes
 
 __all__ = ["CompiledPlanning", "optimize_compiled", "plan_compiled_step", "profile_loss"]

@@ -71,8 +71,9 @@ from planner.compiled_step import (
 from planner.errors import InfeasibleBudget
 from planner.ir import GLUE_OP, ActivationGraph, BudgetKind, TrainingStep
 from planner.measurement import OptimizerSpec, current_counting
-from planner.plan import CompiledStep, Plan
+from planner.plan import Plan
 from planner.profiling import Profile, profile
+from planner.solvers.solved_plan import CompiledStep
 
 __all__ = [
     "EagerSaving",

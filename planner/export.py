@@ -26,12 +26,12 @@ from planner.naming import (
 )
 
 if TYPE_CHECKING:
-    from planner.plan import Plan
+    from planner.solvers.solved_plan import SolvedPlan
 
 __all__ = ["hf_kwargs", "per_block_container", "region_call", "torch_snippet"]
 
 
-def per_block_container(plan: Plan) -> str | None:
+def per_block_container(plan: SolvedPlan) -> str | None:
     """The container whose every block the plan checkpoints on its own (and nothing else), if any."""
     graph, regions = plan.graph, plan.schedule.checkpointed
     runs = [sibling_run(module_cover(graph, region)) for region in regions]
@@ -45,7 +45,7 @@ def per_block_container(plan: Plan) -> str | None:
     return parent if all(is_module_aligned(graph, region) for region in regions) else None
 
 
-def hf_kwargs(plan: Plan) -> dict[str, Any]:
+def hf_kwargs(plan: SolvedPlan) -> dict[str, Any]:
     """Keyword arguments for a Hugging Face model's `gradient_checkpointing_enable`, when they equal the plan.
 
     Hugging Face checkpoints every layer of the model's layer list, each on its own. That is this plan
@@ -151,7 +151,7 @@ def _is_root_sequential(graph: ActivationGraph) -> bool:
     return True
 
 
-def _sequential_forward(plan: Plan) -> list[str] | None:
+def _sequential_forward(plan: SolvedPlan) -> list[str] | None:
     """A complete forward for a root nn.Sequential, its checkpointed runs and the plain runs between."""
     graph = plan.graph
     if not _is_root_sequential(graph):
@@ -175,7 +175,7 @@ def _sequential_forward(plan: Plan) -> list[str] | None:
     return [*lines, "    return x"]
 
 
-def torch_snippet(plan: Plan) -> str:
+def torch_snippet(plan: SolvedPlan) -> str:
     """Plain `torch.utils.checkpoint` code equivalent to the plan, for the model's own forward."""
     graph = plan.graph
     header = [

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from planner.plan import Plan
+    from planner.solvers.solved_plan import SolvedPlan
 
 __all__ = [
     "MeasuredSeries",
@@ -176,14 +176,14 @@ def _mark_regions(axes: Axes, graph: ActivationGraph, schedule: Schedule) -> Non
             )
 
 
-def _timeline_title(plan: Plan) -> str:
+def _timeline_title(plan: SolvedPlan) -> str:
     regions = len(plan.schedule.checkpointed)
     if not regions:
         return "Memory over one training step: nothing checkpointed"
     return f"Memory over one training step: {regions} checkpointed region{'s' * (regions > 1)} (purple bars)"
 
 
-def timeline_figure(plan: Plan, *, measured: MeasuredSeries | None = None) -> Figure:
+def timeline_figure(plan: SolvedPlan, *, measured: MeasuredSeries | None = None) -> Figure:
     """Live memory over one training step, predicted with the plan and without checkpointing.
 
     `measured`, e.g. `planner.measurement.measure_timeline(plan.module, inputs)`, adds the measured
@@ -255,7 +255,7 @@ def timeline_figure(plan: Plan, *, measured: MeasuredSeries | None = None) -> Fi
     return figure
 
 
-def plot_timeline(plan: Plan, path: str | Path, *, measured: MeasuredSeries | None = None) -> Path:
+def plot_timeline(plan: SolvedPlan, path: str | Path, *, measured: MeasuredSeries | None = None) -> Path:
     """Save `timeline_figure(plan, measured=measured)` to `path` (.png, .svg or .pdf); returns the path."""
     target = _target(path)
     return _save(timeline_figure(plan, measured=measured), target)

@@ -41,7 +41,7 @@ from planner.simulation.step import selective_overhead_ms, simulate, store_every
 from planner.solvers import lowest_peak
 
 if TYPE_CHECKING:
-    from planner.plan import CompiledStep, Plan
+    from planner.solvers.solved_plan import CompiledStep, SolvedPlan
 
 __all__ = [
     "CANNOT_HELP_FRACTION",
@@ -181,7 +181,7 @@ def _eager_draw_rows(compiled: CompiledStep) -> list[str]:
     return []
 
 
-def _source_rows(plan: Plan) -> list[str]:
+def _source_rows(plan: SolvedPlan) -> list[str]:
     """Where the figures come from: a profiled eager step, or the compiled step's joint graph and the
     peak `optimize(..., compile=True)` measured."""
     compiled = plan.compiled
@@ -356,7 +356,7 @@ def _describe_forward_backward(graph: ActivationGraph, schedule: Schedule, resul
     return f"backward of checkpointed region {number}, at {where}"
 
 
-def cannot_help_reason(plan: Plan) -> str | None:
+def cannot_help_reason(plan: SolvedPlan) -> str | None:
     """Why checkpointing cannot help this step, with the numbers; None when it can."""
     baseline = plan.baseline
     if baseline.peak_phase.after_backward:
@@ -384,7 +384,7 @@ def cannot_help_reason(plan: Plan) -> str | None:
     return None
 
 
-def _breakdown_rows(plan: Plan) -> list[str]:
+def _breakdown_rows(plan: SolvedPlan) -> list[str]:
     planned, baseline = plan.simulation.breakdown, plan.baseline.breakdown
     rows = [f"  {'bytes at the peak (predicted)':<32}{'with plan':>12}{'no checkpointing':>18}"]
     for key, label in COMPONENT_LABELS.items():
@@ -407,7 +407,7 @@ def _breakdown_rows(plan: Plan) -> list[str]:
     return rows
 
 
-def _region_rows(plan: Plan) -> list[str]:
+def _region_rows(plan: SolvedPlan) -> list[str]:
     checkpointed = plan.schedule.checkpointed
     if not checkpointed:
         return ["  checkpointed regions: none (everything is stored, as without checkpointing)"]
@@ -420,13 +420,13 @@ def _region_rows(plan: Plan) -> list[str]:
     return rows
 
 
-def _selective_note(plan: Plan) -> str:
+def _selective_note(plan: SolvedPlan) -> str:
     """How much of the recompute is the selective policy's own cost, when any region keeps nodes."""
     policy_ms = sum(selective_overhead_ms(plan.graph, region) for region in plan.schedule.checkpointed)
     return f"; {policy_ms:.1f} ms of it the selective policy's callbacks" if policy_ms > 0 else ""
 
 
-def _plan_space_note(plan: Plan) -> str:
+def _plan_space_note(plan: SolvedPlan) -> str:
     """How far the plan is from the least recompute over its plan space, and what that space is."""
     gap = plan.schedule.gap
     if gap != gap:  # NaN: the solver could not bound its answer
@@ -441,7 +441,7 @@ def _plan_space_note(plan: Plan) -> str:
     return f"{quality}; {space}"
 
 
-def _reserved_rows(plan: Plan) -> list[str]:
+def _reserved_rows(plan: SolvedPlan) -> list[str]:
     """What CUDA's caching allocator would reserve for the plan (reserved.py), for plans counted as a
     GPU counts; a plan for CPU training (exact bytes) has no caching allocator."""
     if plan.graph.memory_counting is not MemoryCounting.BLOCKS:
@@ -464,7 +464,7 @@ def _fits(budget_bytes: int, peak_bytes: int) -> str:
     return f"fits, {format_bytes(spare_bytes)} to spare" if spare_bytes >= 0 else "OVER the budget"
 
 
-def _card_note(plan: Plan) -> str:
+def _card_note(plan: SolvedPlan) -> str:
     """Where a budget taken from a card came from (NOTE [held back] in cost_model.py)."""
     if plan.card is None:
         return ""
@@ -474,7 +474,7 @@ def _card_note(plan: Plan) -> str:
     )
 
 
-def render_summary(plan: Plan) -> str:
+def render_summary(plan: SolvedPlan) -> str:
     """The plain-text report of `plan` (see the module docstring for what it answers)."""
     result, baseline = plan.simulation, plan.baseline
     saving_bytes = plan.baseline_peak_bytes - plan.predicted_peak_bytes
@@ -546,7 +546,7 @@ def _kept_by_module(graph: ActivationGraph) -> dict[str, int]:
     return kept
 
 
-def _recomputed_modules(plan: Plan) -> set[str]:
+def _recomputed_modules(plan: SolvedPlan) -> set[str]:
     return {
         _module_key(node.module_path)
         for region in plan.schedule.checkpointed
@@ -555,7 +555,7 @@ def _recomputed_modules(plan: Plan) -> set[str]:
     }
 
 
-def compare_plans(compiled: Plan, eager: Plan) -> str:
+def compare_plans(compiled: SolvedPlan, eager: SolvedPlan) -> str:
     """Where a plan for the compiled step and a plan for the eager step of the same model differ, and
     why, from their graphs (all figures predicted; see `Plan.compare`)."""
     kept = {"eager": _kept_by_module(eager.graph), "compiled": _kept_by_module(compiled.graph)}

@@ -12,8 +12,8 @@ H100, nothing downloaded) and writes `bench/results/gpu_check.json`:
 2. `rows`: every zoo model and the Hugging Face models of planner/testing/zoo_real.py, planned on the
    GPU at three budgets (the lowest allocated peak, halfway, no checkpointing) under the default
    allocator and under `expandable_segments:True`; per row the predicted allocated peak (512-byte blocks)
-   and reserved peak (reserved.py) against `max_memory_allocated` and `max_memory_reserved` of two real
-   steps, less the cuBLAS workspaces the prediction leaves out.
+   and reserved peak (simulation/reserved.py) against `max_memory_allocated` and `max_memory_reserved` of
+   two real steps, less the cuBLAS workspaces the prediction leaves out.
 3. `node_times`: per-node forward times measured on the GPU against the analytic roofline of the card
    (planner/cost_model.py), as the median and spread of their ratio.
 
@@ -46,7 +46,7 @@ import torch
 import planner
 from planner.cost_model import DEVICES, cublas_workspace_bytes, device_spec
 from planner.ir import BudgetKind
-from planner.reserved import predict_reserved
+from planner.simulation.reserved import predict_reserved
 from planner.zoo import FIDELITY_ZOO, build_model
 
 log = logging.getLogger("bench.gpu_check")

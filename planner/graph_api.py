@@ -20,10 +20,10 @@ from pathlib import Path
 from planner.errors import InfeasibleBudget
 from planner.ir import ActivationGraph, BudgetKind, MemoryCounting, Schedule, SimulationResult
 from planner.plan import Plan
-from planner.reserved import expandable_note, solve_reserved
 from planner.simulation.allocator import AllocatorSettings
 from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak, solve
+from planner.solvers.reserved_budget import expandable_note, solve_reserved
 
 __all__ = [
     "Frontier",

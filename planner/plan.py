@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from planner.export import hf_kwargs, torch_snippet
 from planner.ir import Schedule, TrainingStep
 from planner.report import render_summary
-from planner.reserved import memory_snapshot, write_snapshot
+from planner.simulation.reserved import memory_snapshot, write_snapshot
 from planner.solvers.solved_plan import SolvedPlan
 
 if TYPE_CHECKING:

@@ -442,8 +442,8 @@ def _plan_space_note(plan: SolvedPlan) -> str:
 
 
 def _reserved_rows(plan: SolvedPlan) -> list[str]:
-    """What CUDA's caching allocator would reserve for the plan (reserved.py), for plans counted as a
-    GPU counts; a plan for CPU training (exact bytes) has no caching allocator."""
+    """What CUDA's caching allocator would reserve for the plan (simulation/reserved.py), for plans counted
+    as a GPU counts; a plan for CPU training (exact bytes) has no caching allocator."""
     if plan.graph.memory_counting is not MemoryCounting.BLOCKS:
         return []
     reserved = plan.reserved

@@ -3,7 +3,9 @@
 Stage 1 of planner/'s packages (docs/layout.md). It owns what a schedule costs on an activation graph
 without running anything: `step` replays a schedule (live bytes, recompute time, the peak and its phase,
 NOTE [selective keeps]), `allocator` replays a step's allocations through a model of PyTorch's caching
-allocator (reserved bytes, fragmentation) under the options of `allocator_conf` (PYTORCH_CUDA_ALLOC_CONF).
+allocator (reserved bytes, fragmentation) under the options of `allocator_conf` (PYTORCH_CUDA_ALLOC_CONF),
+and `reserved` puts the two together: a schedule's allocations in the simulator's order, through the
+allocator model, for its reserved peak and its predicted memory snapshot.
 
 It may import planner.ir and planner.errors, and nothing else of the planner: the profiler calibrates
 against it, the solvers search with it, the report explains with it and the service runs it, so it never

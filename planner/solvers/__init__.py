@@ -13,6 +13,10 @@ carrying the lowest peak any known schedule reaches. Registered solvers:
   (solvers/ilp.py), warm-started from `dp` and never returning a worse plan than `dp`'s (more
   recompute, or as much at a higher peak);
 - `auto`: `ilp` with a 1 s deterministic-time budget while the model is small enough, else `dp`.
+
+Stage 4 of planner/'s packages (docs/layout.md): ActivationGraph -> Schedule, with solving under a
+reserved budget (`reserved_budget`) and a solved plan's data (`solved_plan`). It may import the contract
+(ir, errors, serialize) and planner.simulation, never torch: the service solves posted graphs with it.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Self
 
 from planner.errors import format_bytes
 from planner.ir import PLAN_SCHEMA, ActivationGraph, BudgetKind, Schedule, SimulationResult
-from planner.reserved import ReservedPrediction, predict_reserved
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
+from planner.simulation.reserved import ReservedPrediction, predict_reserved
 from planner.simulation.step import simulate, store_everything
 
 if TYPE_CHECKING:
@@ -92,7 +92,8 @@ class SolvedPlan:
     """What the budget (and `min_peak_bytes`) bounds: allocated or reserved bytes (NOTE [budget kinds]
     in ir.py). `predicted_peak_bytes` is allocated bytes either way; `reserved` has the reserved ones."""
     allocator_note: str = ""
-    """For a reserved budget, what `expandable_segments:True` would change (reserved.expandable_note)."""
+    """For a reserved budget, what `expandable_segments:True` would change
+    (reserved_budget.expandable_note)."""
     simulation: SimulationResult = field(init=False, repr=False)
     baseline: SimulationResult = field(init=False, repr=False)
     _reserved: ReservedPrediction | None = field(default=None, init=False, repr=False, compare=False)
@@ -113,7 +114,7 @@ class SolvedPlan:
     @property
     def reserved(self) -> ReservedPrediction:
         """The plan's peaks as CUDA's caching allocator would report them, reserved memory included, for
-        the default allocator and for expandable segments (predicted; reserved.py)."""
+        the default allocator and for expandable segments (predicted; simulation/reserved.py)."""
         if self._reserved is None:
             self._reserved = predict_reserved(self.graph, self.schedule)
         return self._reserved

@@ -17,9 +17,9 @@ import pytest
 import planner
 from planner.cost_model import device_spec
 from planner.ir import BLOCK_BYTES, BudgetKind, MemoryCounting
-from planner.reserved import allocation_events, predict_reserved
 from planner.serialize import graph_from_dict, graph_to_dict
 from planner.simulation.allocator import AllocatorSettings, replay
+from planner.simulation.reserved import allocation_events, predict_reserved
 from planner.testing.odd_sizes import odd_net
 from planner.zoo import build_model
 

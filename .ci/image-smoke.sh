@@ -72,7 +72,7 @@ import json
 from planner.serialize import graph_to_dict
 from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak
-from planner.synthetic import residual_graph
+from planner.testing.synthetic_graphs import residual_graph
 graph = residual_graph(node_count=41, nodes_per_block=10)
 budget = (lowest_peak(graph)[1].peak_bytes + simulate(graph, store_everything(graph)).peak_bytes) // 2
 print(json.dumps({'graph': graph_to_dict(graph), 'budget_bytes': budget, 'solver': 'dp', 'wait_s': 60}))

@@ -5,7 +5,7 @@ if it never claims "impossible" where that line works and is no slower at the sa
 model (the user-report zoo and the real-model zoo, DAG-shaped models included) this script records:
 
 - the measured peak without checkpointing and with every instance of each repeated, hook-free module
-  type checkpointed (non-reentrant `checkpoint_wrapper`; planner/zoo_dag.py), and which of those types
+  type checkpointed (non-reentrant `checkpoint_wrapper`; planner/testing/zoo_dag.py), and which of those types
   gives the lowest peak (the best hand method);
 - the planner's lowest achievable peak (`plan.min_peak_bytes`, predicted) and whether it is at or below
   every hand method's measured peak;
@@ -37,9 +37,9 @@ import planner
 from bench.peers import contender, interleaved_step_ms, machine, mib, paired_ratio, planner_revision
 from planner.capture import has_hooks
 from planner.errors import InfeasibleBudget
+from planner.testing.zoo_dag import checkpoint_every_instance, repeated_module_types
 from planner.testing.zoo_real import REAL_ZOO, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
-from planner.zoo_dag import checkpoint_every_instance, repeated_module_types
 
 log = logging.getLogger("bench.per_block")
 

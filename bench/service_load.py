@@ -39,7 +39,7 @@ import httpx
 from planner.serialize import graph_to_dict
 from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak
-from planner.synthetic import residual_graph
+from planner.testing.synthetic_graphs import residual_graph
 from tests.api.postgres_server import fresh_database, running_postgres  # the tests' one copy
 from tests.api.service_helpers import free_port, wait_until_healthy
 

@@ -2,9 +2,10 @@
 
 Why: `dp` and `ilp` trade optimality for time differently, and the analytic cost model is only useful
 if it orders nodes as measurement does. This script measures, on real zoo graphs and on synthetic
-residual stacks (`planner.synthetic.residual_graph`) up to 10,000 nodes, both with every block drawn
-afresh and with one block repeated (as transformer layers are), and on DAGs up to 2,000 nodes
-(`planner.synthetic.dag_graph`: an encoder output read by every later block, U-Net skips):
+residual stacks (`planner.testing.synthetic_graphs.residual_graph`) up to 10,000 nodes, both with every
+block drawn afresh and with one block repeated (as transformer layers are), and on DAGs up to 2,000
+nodes (`planner.testing.synthetic_graphs.dag_graph`: an encoder output read by every later block, U-Net
+skips):
 
 - per graph and solver: wall time of a cold `solve` (cut finding and region costs included; the
   fastest of `--repeats` runs, each on a fresh copy of the graph) at the budget halfway between the
@@ -40,7 +41,7 @@ from bench.peers import machine, planner_revision
 from planner.ir import ActivationGraph
 from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak, solve
-from planner.synthetic import DAG_KINDS, dag_graph, residual_graph
+from planner.testing.synthetic_graphs import DAG_KINDS, dag_graph, residual_graph
 from planner.zoo import FIDELITY_ZOO, build_model
 
 log = logging.getLogger("bench.solvers")

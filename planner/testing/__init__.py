@@ -1,7 +1,13 @@
 """Fixtures for checking the planner, shipped with it as `torch.testing` ships with torch.
 
-Why it exists: the tests, the service tests, the benches and the notebooks share two things that are
-not the planner itself: the real models it must plan unedited (`zoo_real`, which builds Hugging Face
-models and so needs the `dev` extra's `transformers`) and the one-training-step comparison that
-checks a changed module against the original (`steps`). The library never imports this package.
+Why it exists: the tests, the service tests, the benches and the notebooks share things that are not
+the planner itself: the real models it must plan unedited (`zoo_real`, which builds Hugging Face models
+and so needs the `dev` extra's `transformers`), the DAG-shaped models and the hand method they are
+judged against (`zoo_dag`), a net of odd sizes for the byte counting (`odd_sizes`), activation graphs
+built without torch and the brute-force oracle over their schedules (`synthetic_graphs`, which the
+service's tests and its container smoke test use where torch is absent), and the one-training-step
+comparison that checks a changed module against the original (`steps`).
+
+The last stage of planner/'s packages (docs/layout.md): it may import anything of the planner, and
+nothing in the planner imports it.
 """

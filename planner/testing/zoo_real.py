@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.zoo_dag import dag_calls
+from planner.testing.zoo_dag import dag_calls
 
 __all__ = [
     "REAL_ZOO",
@@ -61,7 +61,7 @@ DAG_DESCRIPTIONS = {
     "moe_transformer": "Transformer of 4 blocks with top-2 mixture-of-experts MLPs (4 experts, "
     "data-dependent routing that FX and export cannot trace); tokens (8, 64).",
 }
-"""The DAG-shaped entries of planner/zoo_dag.py."""
+"""The DAG-shaped entries of planner/testing/zoo_dag.py."""
 
 HUGGING_FACE = "transformers"
 """The optional package the Hugging Face entries need."""

@@ -20,7 +20,7 @@ from planner.ir import ActivationGraph
 from planner.serialize import graph_to_dict
 from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak
-from planner.synthetic import residual_graph
+from planner.testing.synthetic_graphs import residual_graph
 
 SERVER_START_TIMEOUT_S = 30.0
 WAIT_TIMEOUT_S = 30.0

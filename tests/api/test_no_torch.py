@@ -17,7 +17,7 @@ def test_serving_a_plan_and_a_frontier_never_imports_torch(tmp_path) -> None:  #
         from api.settings import Settings
         from planner.client import PlannerClient
         from planner.serialize import graph_to_dict
-        from planner.synthetic import residual_graph
+        from planner.testing.synthetic_graphs import residual_graph
 
         graph = residual_graph(node_count=21, nodes_per_block=5)
         with TestClient(create_app(Settings(db={str(tmp_path / "jobs.sqlite3")!r}))) as http:

@@ -12,8 +12,8 @@ import httpx
 
 import planner
 from planner.client import PlannerClient
-from planner.synthetic import residual_graph
 from planner.testing.steps import assert_same_step, one_step
+from planner.testing.synthetic_graphs import residual_graph
 from planner.zoo import build_model
 from tests.api.service_helpers import free_port, middle_budget, plan_body, running_server
 

@@ -12,7 +12,7 @@ from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
 from planner.simulation.step import simulate
 from planner.solvers import _tables, lowest_peak, solve
 from planner.solvers.chain import region_cost
-from tests.planner.synthetic_graphs import all_schedules, random_dag, saved_before_made
+from planner.testing.synthetic_graphs import all_schedules, random_dag, saved_before_made
 
 DAGS = {f"dag-{seed}": random_dag(random.Random(seed), 7) for seed in range(8)} | {
     f"saved-before-made-{seed}": saved_before_made(

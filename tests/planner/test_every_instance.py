@@ -2,7 +2,7 @@
 hand, measured; and a plan at that measured peak fits it when measured.
 
 The hand method is `checkpoint_wrapper` (non-reentrant) on every outermost instance of one module type
-(planner/zoo_dag.py), for every type with at least two instances that hold parameters: blocks, layers,
+(planner/testing/zoo_dag.py), for every type with at least two instances that hold parameters: blocks, layers,
 experts, and single Linear or norm layers too. Types whose instances carry hooks are left out: a replay
 runs their hooks a second time (the zoo's counting hook would count twice), so the planner does not
 checkpoint them and the hand method is not a correct peer there. Peaks are two real Adam steps under the
@@ -27,9 +27,9 @@ import planner
 from planner.capture import CapturePath, has_hooks
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulation.step import simulate
+from planner.testing.zoo_dag import checkpoint_every_instance, repeated_module_types
 from planner.testing.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
-from planner.zoo_dag import checkpoint_every_instance, repeated_module_types
 
 HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
 

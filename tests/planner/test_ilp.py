@@ -17,8 +17,12 @@ from planner.simulation.step import recompute_trigger, simulate, stops_before_ou
 from planner.solvers import _tables, lowest_peak, solve
 from planner.solvers.chain import keep_effect, region_cost
 from planner.solvers.ilp import DETERMINISTIC_SECONDS, _allowed_keeps, _load_cp_model, ilp_schedule, keepable
-from planner.synthetic import residual_graph
-from tests.planner.synthetic_graphs import all_schedules, keepable_chain, with_selective_price
+from planner.testing.synthetic_graphs import (
+    all_schedules,
+    keepable_chain,
+    residual_graph,
+    with_selective_price,
+)
 
 
 def with_keeps(graph: ActivationGraph, schedule: Schedule) -> Iterator[Schedule]:

@@ -17,7 +17,7 @@ from planner.plots import (
     timeline_positions,
 )
 from planner.simulation.step import simulate, store_everything
-from tests.planner.synthetic_graphs import MIB, chain_graph
+from planner.testing.synthetic_graphs import MIB, chain_graph
 
 
 @dataclass(frozen=True)

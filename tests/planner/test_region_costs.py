@@ -10,8 +10,7 @@ from planner.ir import ActivationGraph
 from planner.solvers.chain import Chain, build_chain, region_cost
 from planner.solvers.dp import region_costs, tabulate
 from planner.solvers.region_costs import RegionCosts
-from planner.synthetic import residual_graph
-from tests.planner.synthetic_graphs import random_chain, saved_before_made
+from planner.testing.synthetic_graphs import random_chain, residual_graph, saved_before_made
 
 GRAPHS = {
     "residual, every block drawn": lambda: residual_graph(node_count=301, nodes_per_block=6),

@@ -23,7 +23,7 @@ from planner.report import (
 )
 from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak
-from tests.planner.synthetic_graphs import MIB, chain_graph, static_bytes, with_selective_price
+from planner.testing.synthetic_graphs import MIB, chain_graph, static_bytes, with_selective_price
 
 SIZES_MIB = [8, 8, 8, 8, 8, 8]
 

@@ -10,7 +10,7 @@ from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
 from planner.simulation.step import simulate, store_everything
 from planner.solvers.chain import build_chain, region_cost
-from tests.planner.synthetic_graphs import MIB, chain_graph, with_selective_price
+from planner.testing.synthetic_graphs import MIB, chain_graph, with_selective_price
 
 STATIC_MIB = 4 + 1 + 8  # parameters + inputs + Adam state of `chain_graph`
 

@@ -14,7 +14,7 @@ from planner.simulation.step import simulate, store_everything
 from planner.solvers import SOLVERS, lowest_peak, solve
 from planner.solvers.chain import build_chain
 from planner.solvers.dp import Objective, _Partials, _prune
-from tests.planner.synthetic_graphs import MIB, all_schedules, chain_graph, random_chain
+from planner.testing.synthetic_graphs import MIB, all_schedules, chain_graph, random_chain
 
 
 def validate(graph: ActivationGraph, schedule: Schedule, budget_bytes: int) -> None:

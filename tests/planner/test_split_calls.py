@@ -16,8 +16,8 @@ from planner.ir import GLUE_OP, ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulation.step import CheckpointRule, simulate
 from planner.solvers import solve
 from planner.testing.steps import assert_same_step, one_step
+from planner.testing.synthetic_graphs import all_schedules, random_dag, with_split_call
 from planner.testing.zoo_real import build_call
-from tests.planner.synthetic_graphs import all_schedules, random_dag, with_split_call
 
 SPLIT_DAGS = {
     f"split-dag-{seed}": with_split_call(random_dag(random.Random(seed), 7), 2, 7) for seed in range(4)

@@ -35,7 +35,7 @@ from typing import Any
 
 import planner
 from bench.peers import contender, interleaved_step_ms, machine, mib, paired_ratio, planner_revision
-from planner.capture import has_hooks
+from planner.capture.chain import has_hooks
 from planner.errors import InfeasibleBudget
 from planner.testing.zoo_dag import checkpoint_every_instance, repeated_module_types
 from planner.testing.zoo_real import REAL_ZOO, ExampleCall, build_call

@@ -6,7 +6,7 @@
     model = plan.module
     print(planner.capacity(model, make_inputs, batch=range(1, 513), device="a100-40gb"))
 
-The flow is capture (capture.py) -> activation graph (graph_build.py) -> solve (solvers/) ->
+The flow is capture (capture/) -> activation graph (graph_build.py) -> solve (solvers/) ->
 rewrite (rewrite.py); `profile` runs the first two once and keeps them (a `Profile`) for any number of
 solves, which is what `optimize`, `pareto` and `Plan.replan` do; `measure` reports what a real
 training step used. The solvers, the simulator

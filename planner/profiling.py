@@ -1,9 +1,9 @@
 """`profile`: a model's training step captured and measured once, then planned at any budget.
 
 Why it exists: every way to plan a model (`optimize`, `pareto`, `Plan.replan`, the CLI, the service
-client) needs the same three things: the captured model (capture.py, or the module level when no
+client) needs the same three things: the captured model (capture/chain.py, or the module level when no
 graph can be captured), the activation graph of one profiled training step (graph_build.py or
-module_level.py, then sharded and extended to the step the user runs), and a way to rewrite the model
+capture/model_call.py, then sharded and extended to the step the user runs), and a way to rewrite the model
 for any schedule of that graph (rewrite.py). A `Profile` holds them, so each path is "profile, then
 solve, then rewrite", and none keeps a copy of the capture chain that could drift from the others
 (the service client once did, and lost the export fallback). Solving a profile again costs no
@@ -44,14 +44,14 @@ import torch
 from torch.utils._pytree import tree_map
 
 from planner.blocks import longest_block_stack
-from planner.capture import Capture, call_shapes, candidate_units, capture
+from planner.capture.chain import Capture, call_shapes, candidate_units, capture
+from planner.capture.model_call import capture_model_call
 from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import GIB, LargerShapeWarning, UnsupportedModel, format_bytes
 from planner.graph_api import Frontier, pareto_frontier, plan_graph
 from planner.graph_build import LOSS_NODE, build_activation_graph
 from planner.ir import GLUE_OP, ActivationGraph, BudgetKind, CostModel, MemoryCounting, Schedule, TrainingStep
 from planner.measurement import OptimizerSpec, default_loss, tensors_in
-from planner.module_level import capture_model_call, rewrite_units
 from planner.plan import Plan
 from planner.rewrite import (
     AUTOCAST_DEVICES,
@@ -59,6 +59,7 @@ from planner.rewrite import (
     fully_sharded_modules,
     guard_gradients,
     rewrite,
+    rewrite_units,
 )
 from planner.shapes import (
     align_names,
@@ -446,7 +447,7 @@ def _profile_units(
     *,
     reason: str,
 ) -> Profile:
-    """The module level of the capture chain (module_level.py), used for `reason`."""
+    """The module level of the capture chain (capture/model_call.py), used for `reason`."""
     captured = capture_model_call(model, args, kwargs)
     profiled = build_activation_graph(
         captured,

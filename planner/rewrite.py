@@ -47,7 +47,7 @@ from torch import fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from planner.capture import Capture
+from planner.capture.chain import Capture
 from planner.errors import UnplannedStep, UnsupportedModel, format_bytes
 from planner.ir import ActivationGraph, Schedule, TrainingStep
 from planner.selective_cost import saved_when_kept
@@ -62,6 +62,7 @@ __all__ = [
     "planned_class",
     "planned_graph_of",
     "rewrite",
+    "rewrite_units",
     "with_checkpointed_units",
 ]
 
@@ -457,6 +458,19 @@ def rewrite(
     planned = copy.copy(model)
     planned.__class__ = planned_class(type(model), runs_graph=True)
     object.__setattr__(planned, DISPATCH_ATTRIBUTE, dispatch)
+    return planned
+
+
+def rewrite_units(model: torch.nn.Module, graph: ActivationGraph, schedule: Schedule) -> torch.nn.Module:
+    """A copy of `model`'s module tree in which the checkpointed units run under checkpoint.
+
+    Only the modules on the paths to those units are copied (shallow: parameters, buffers and other
+    submodules stay the model's own); the root passes for the model's class (NOTE [drop-in]).
+    """
+    assert all(region.stop - region.start == 1 for region in schedule.checkpointed), "glue separates units"
+    paths = [graph.nodes[region.start].module_path for region in schedule.checkpointed]
+    planned = with_checkpointed_units(model, paths)
+    planned.__class__ = planned_class(type(model), runs_graph=False)
     return planned
 
 

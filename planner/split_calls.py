@@ -23,18 +23,15 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_map
 
-from planner.capture import Capture, candidate_units, has_hooks
+from planner.capture.chain import Capture, candidate_units, has_hooks
+from planner.capture.model_call import MODEL_CALL
 from planner.ir import GLUE_OP
 from planner.measurement import tensors_in
 from planner.profiling_records import RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
 
-__all__ = ["MODEL_CALL", "NodeRecorder", "SplitCall", "split_calls", "static_split_calls"]
+__all__ = ["NodeRecorder", "SplitCall", "split_calls", "static_split_calls"]
 
 log = logging.getLogger(__name__)
-
-MODEL_CALL = "_planner_model_call"
-"""The target of the one node of a module-level capture, a call of the whole model (module_level.py):
-its parts carry the model's own module paths, and its own code is never checkpointed."""
 
 
 class NodeRecorder(Protocol):

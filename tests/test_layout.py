@@ -32,6 +32,7 @@ STAGES: dict[str, int] = {
     "validate": 0,
     "zoo": 0,
     "simulation": 1,  # the torch-free models of a step and of CUDA's caching allocator
+    "capture": 2,  # model -> fx graph
     "solvers": 4,  # ActivationGraph -> Schedule, without torch
     "client": 11,  # the entry points
     "cli": 11,

@@ -7,7 +7,7 @@ models (GPT-2, BERT, Llama, T5, ViT) built from random-weight configs, PyTorch's
 (BatchNorm, residual additions, concatenation), and small models for the Python features that trip
 capture: dataclass outputs with keyword-only inputs, in-place operations, tied weights, and hooks. One
 model branches on a tensor's value in its root `forward`, which neither torch.fx nor torch.export can
-follow, so it is planned by its submodules (planner/module_level.py).
+follow, so it is planned by its submodules (planner/capture/model_call.py).
 
 Each entry says which capture path it is expected to take (`RealModel.capture`). `build()` runs under
 a fixed seed without consuming the caller's RNG stream and returns the model in train mode with its
@@ -84,7 +84,8 @@ class RealModel:
     description: str
     build: Callable[[], ExampleCall]
     capture: str
-    """Expected `Plan.capture`: "fx", "export" or "module" (see planner/capture.py, module_level.py)."""
+    """Expected `Plan.capture`: "fx", "export" or "module" (see planner/capture/chain.py and
+    model_call.py)."""
     requires: str | None = None
 
 

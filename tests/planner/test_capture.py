@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import planner
-from planner.capture import capture
+from planner.capture.chain import capture
 from planner.zoo import build_model
 
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import planner
-from planner.capture import CapturePath, has_hooks
+from planner.capture.chain import CapturePath, has_hooks
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulation.step import simulate
 from planner.testing.zoo_dag import checkpoint_every_instance, repeated_module_types

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import planner
-from planner.capture import capture
+from planner.capture.chain import capture
 from planner.graph_build import build_activation_graph
 from planner.ir import Region, RegionPolicy, Schedule
 from planner.measurement import default_loss

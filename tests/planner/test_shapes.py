@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import planner
-from planner.capture import Capture, GraphCall
+from planner.capture.chain import Capture, GraphCall
 from planner.errors import LargerShapeWarning, format_bytes
 from planner.rewrite import CheckpointedRegion
 from planner.shapes import MANY_SHAPES, is_larger

@@ -19,7 +19,7 @@ that takes the finest level that works and records which one it took (`Capture.p
    specialised to the example's shapes. It is specialised to the example call's structure either way.
 3. When neither works, `capture` raises `UnsupportedModel` naming the construct each level failed on
    and the workaround; `optimize` then plans the model by its submodules, running its forward as
-   written (`"module"`, planner/module_level.py), and raises only if that finds none to checkpoint.
+   written (`"module"`, planner/capture/model_call.py), and raises only if that finds none to checkpoint.
 
 NOTE [hooks]: hooks must behave as without checkpointing. The planned module shares the root's hook
 dictionaries, so the root's hooks run once per call; both levels trace the root's `forward`, not its
@@ -72,14 +72,14 @@ from torch._export.utils import _check_input_constraints_for_graph
 from torch.export import Dim
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_map
 
-from planner.errors import UnsupportedModel
-from planner.submodule_export import (
+from planner.capture.submodule_export import (
     EXPORT_GUARDS_MODULE,
     check_shared_state,
     drop_export_guards,
     inline_exported_containers,
     quiet_export,
 )
+from planner.errors import UnsupportedModel
 
 __all__ = [
     "Capture",
@@ -106,7 +106,7 @@ class CapturePath(StrEnum):
     FX = "fx"
     EXPORT = "export"
     MODULE = "module"
-    """The model's own submodules as whole units (planner/module_level.py)."""
+    """The model's own submodules as whole units (planner/capture/model_call.py)."""
 
 
 def _shapes(values: Any) -> tuple[tuple[int, ...] | None, ...]:
@@ -271,7 +271,7 @@ class _OpaqueTracer(fx.Tracer):
     """The default tracer, but the named submodules stay single call_module nodes, and `torch.nn`'s own
     containers (an `nn.TransformerEncoder`, an `nn.MultiheadAttention`) are traced into, not kept as
     leaves: their layers are blocks to plan (if tracing fails inside, the container becomes opaque and
-    torch.export may capture it; see planner/submodule_export.py).
+    torch.export may capture it; see planner/capture/submodule_export.py).
 
     Submodules with hooks stay single nodes too (see NOTE [hooks]): called as modules, their hooks run.
     """
@@ -647,8 +647,8 @@ def _capture_export(
     if hooked:
         raise UnsupportedModel(
             f"torch.export would inline submodules {hooked[:4]} and run their hooks once, at capture, "
-            "never in training (see NOTE [hooks] in planner/capture.py; remove the hooks while planning "
-            "or make the forward traceable by torch.fx, which calls hooked submodules)"
+            "never in training (see NOTE [hooks] in planner/capture/chain.py; remove the hooks while "
+            "planning or make the forward traceable by torch.fx, which calls hooked submodules)"
         )
     call = GraphCall(signature=signature)
     kwargs = call._ordered(kwargs)  # the graph's flat inputs follow the forward's parameter order

@@ -13,11 +13,11 @@ nodes of the activation graph, with the model's module paths.
 
 - Units are the root's children, with containers (ModuleList/ModuleDict/Sequential) replaced by their
   children, and a unit that holds most of the parameters replaced by its children too, so that a
-  decoder's blocks become units rather than the decoder (`capture.candidate_units`).
+  decoder's blocks become units rather than the decoder (`chain.candidate_units`).
 - The model's own code is never checkpointed, and a unit only when it is called once per step and
   carries no hooks (a replay would run them again), so a checkpointed region is exactly one unit call.
-  `rewrite_units` wraps those units in checkpoint on a copy of the module tree along their paths,
-  sharing every parameter, buffer and untouched submodule with the model.
+  `rewrite_units` (rewrite.py) wraps those units in checkpoint on a copy of the module tree along their
+  paths, sharing every parameter, buffer and untouched submodule with the model.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from typing import Any
 
 from torch import fx, nn
 
-from planner.capture import Capture, CapturePath, GraphCall
-from planner.ir import ActivationGraph, Schedule
-from planner.rewrite import planned_class, with_checkpointed_units
-from planner.split_calls import MODEL_CALL
+from planner.capture.chain import Capture, CapturePath, GraphCall
 
-__all__ = ["capture_model_call", "rewrite_units"]
+__all__ = ["MODEL_CALL", "capture_model_call"]
+
+MODEL_CALL = "_planner_model_call"
+"""The target of the one node of a module-level capture, a call of the whole model: its parts carry the
+model's own module paths, and its own code is never checkpointed."""
 
 
 def capture_model_call(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Capture:
@@ -52,17 +53,3 @@ def capture_model_call(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[
         call=GraphCall(signature=inspect.signature(model.forward)),
         inputs=(*args, *kwargs.values()),
     )
-
-
-def rewrite_units(model: nn.Module, graph: ActivationGraph, schedule: Schedule) -> nn.Module:
-    """A copy of `model`'s module tree in which the checkpointed units run under checkpoint.
-
-    Only the modules on the paths to those units are copied (shallow: parameters, buffers and other
-    submodules stay the model's own); the root passes for the model's class (NOTE [drop-in] in
-    rewrite.py).
-    """
-    assert all(region.stop - region.start == 1 for region in schedule.checkpointed), "glue separates units"
-    paths = [graph.nodes[region.start].module_path for region in schedule.checkpointed]
-    planned = with_checkpointed_units(model, paths)
-    planned.__class__ = planned_class(type(model), runs_graph=False)
-    return planned

@@ -47,7 +47,7 @@ from bench.peers import machine, planner_revision
 from planner.compiled import plan_compiled_step
 from planner.errors import UnsupportedModel
 from planner.ir import TrainingStep
-from planner.measurement import default_loss
+from planner.profiler.measurement import default_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MID_FRACTION = 0.5

@@ -8,14 +8,14 @@ H100, nothing downloaded) and writes `bench/results/gpu_check.json`:
 1. `device`: the card, and what it holds back, measured: the CUDA context (the card's used memory
    beyond what the allocator reserved, from `torch.cuda.mem_get_info` right after initialisation) and
    the cuBLAS workspaces a training step's two threads allocate (`memory_allocated` before and after).
-   These replace the allowances of NOTE [held back] in planner/cost_model.py.
+   These replace the allowances of NOTE [held back] in planner/profiler/cost_model.py.
 2. `rows`: every zoo model and the Hugging Face models of planner/testing/zoo_real.py, planned on the
    GPU at three budgets (the lowest allocated peak, halfway, no checkpointing) under the default
    allocator and under `expandable_segments:True`; per row the predicted allocated peak (512-byte blocks)
    and reserved peak (simulation/reserved.py) against `max_memory_allocated` and `max_memory_reserved` of
    two real steps, less the cuBLAS workspaces the prediction leaves out.
 3. `node_times`: per-node forward times measured on the GPU against the analytic roofline of the card
-   (planner/cost_model.py), as the median and spread of their ratio.
+   (planner/profiler/cost_model.py), as the median and spread of their ratio.
 
 On a lent GPU machine, whose `python3` holds a CUDA build of torch, `make gpu-check` runs this with that
 interpreter and the repository on PYTHONPATH. Without CUDA (CI), part 2 runs on the CPU, where measured
@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 import planner
-from planner.cost_model import DEVICES, cublas_workspace_bytes, device_spec
 from planner.ir import BudgetKind
+from planner.profiler.cost_model import DEVICES, cublas_workspace_bytes, device_spec
 from planner.simulation.reserved import predict_reserved
 from planner.zoo import FIDELITY_ZOO, build_model
 

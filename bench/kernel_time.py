@@ -33,7 +33,7 @@ import torch
 
 from bench import compare
 from bench.peers import machine, planner_revision
-from planner.measurement import default_loss
+from planner.profiler.measurement import default_loss
 from planner.testing.steps import variant_of
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -45,7 +45,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint_sequential
 
 from planner.blocks import longest_block_stack
-from planner.measurement import default_loss
+from planner.profiler.measurement import default_loss
 from planner.testing.steps import Variant, fresh_inputs, fresh_kwargs, variant_of
 
 __all__ = [

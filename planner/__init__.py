@@ -6,7 +6,7 @@
     model = plan.module
     print(planner.capacity(model, make_inputs, batch=range(1, 513), device="a100-40gb"))
 
-The flow is capture (capture/) -> activation graph (graph_build.py) -> solve (solvers/) ->
+The flow is capture (capture/) -> activation graph (profiler/) -> solve (solvers/) ->
 rewrite (rewrite.py); `profile` runs the first two once and keeps them (a `Profile`) for any number of
 solves, which is what `optimize`, `pareto` and `Plan.replan` do; `measure` reports what a real
 training step used. The solvers, the simulator
@@ -35,7 +35,7 @@ from planner.plan import Plan
 if TYPE_CHECKING:
     from planner.capacity_search import Capacity, capacity
     from planner.graph_api import plan_graph
-    from planner.measurement import MeasuredStep
+    from planner.profiler.measurement import MeasuredStep
     from planner.profiling import Profile, profile
     from planner.torch_api import measure, optimize, pareto
 
@@ -67,7 +67,7 @@ _LAZY = {
     "plan_graph": "planner.graph_api",
     "profile": "planner.profiling",
     "Profile": "planner.profiling",
-    "MeasuredStep": "planner.measurement",
+    "MeasuredStep": "planner.profiler.measurement",
     "capacity": "planner.capacity_search",
     "Capacity": "planner.capacity_search",
 }

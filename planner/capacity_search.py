@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, CostModel, MemoryCounting, SimulationResult, TrainingStep
-from planner.measurement import OptimizerSpec, tensors_in
 from planner.plan import Plan
+from planner.profiler.cost_model import DeviceSpec, device_spec
+from planner.profiler.measurement import OptimizerSpec, tensors_in
 from planner.profiling import budget_bytes_of, memory_counting_of, profile, training_step_of
 from planner.rescale import FIT_SIZES, GraphFamily, NotRescalable
 from planner.simulation.step import for_training_step, simulate, store_everything
@@ -481,7 +481,7 @@ class Capacity:
     """The named card whose memory or rates the table is for (None for a bare budget)."""
     held_back_bytes: int
     """Of the card's memory, what `budget_bytes` leaves out for the CUDA context and cuBLAS workspaces
-    (NOTE [held back] in cost_model.py); 0 for a budget given by hand."""
+    (NOTE [held back] in profiler/cost_model.py); 0 for a budget given by hand."""
     rows: tuple[SizeRow, ...]
     """Every size the search probed for this budget, smallest first."""
     largest_without: int | None
@@ -664,7 +664,7 @@ def _resolve_budget(
 ) -> tuple[int, str | None, int]:
     """(budget in bytes, the card's name or None, bytes of the card held back): an explicit budget, else
     the named card's memory less its CUDA context and library workspaces (NOTE [held back] in
-    cost_model.py)."""
+    profiler/cost_model.py)."""
     if budget_gb is not None or budget_bytes is not None:
         budget = budget_bytes_of(budget_gb, budget_bytes)
         return budget, device_spec(device).name if device is not None else None, 0

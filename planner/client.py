@@ -32,8 +32,8 @@ from planner.simulation.allocator import AllocatorSettings
 if TYPE_CHECKING:
     import torch
 
-    from planner.cost_model import DeviceSpec
-    from planner.measurement import OptimizerSpec
+    from planner.profiler.cost_model import DeviceSpec
+    from planner.profiler.measurement import OptimizerSpec
     from planner.profiling import Profile
 
 __all__ = ["PlannerClient"]

@@ -7,7 +7,7 @@ the eager step's in both directions. Here the planner plans the compiled step it
 1. The model is compiled with inductor and a partitioner of ours (`custom_partitioner_fn`, inductor's
    public hook). When AOT autograd hands it the joint forward-backward graph, the partitioner builds
    the planner's ActivationGraph of it (compiled_graph.py), adds the whole step's static memory
-   (parameters, gradients, optimizer state: static_memory.py) and the loss, measured eagerly, and
+   (parameters, gradients, optimizer state: profiler/static_memory.py) and the loss, measured eagerly, and
    solves it with the planner's own solvers under the byte budget.
 2. The schedule becomes the set of values the forward saves (a checkpointed region keeps its inputs,
    its backward recomputes the rest; random draws are always saved, so recomputed dropout replays its
@@ -107,20 +107,20 @@ from planner.compiled_step import (
     replanned_budget_bytes,
     split_text,
 )
-from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import UnsupportedModel
 from planner.graph_api import plan_graph
 from planner.ir import StaticBytes, TrainingStep
-from planner.measurement import (
+from planner.plan import Plan
+from planner.profiler.cost_model import DeviceSpec, device_spec
+from planner.profiler.measurement import (
     LiveStorageTracker,
     OptimizerSpec,
     end_autocast_forward,
     tensors_in,
 )
-from planner.plan import Plan
+from planner.profiler.static_memory import optimizer_name, static_bytes
 from planner.simulation.step import for_training_step
 from planner.solvers.solved_plan import CompiledStep
-from planner.static_memory import optimizer_name, static_bytes
 
 __all__ = ["CompiledPlanning", "optimize_compiled", "plan_compiled_step", "profile_loss"]
 
@@ -384,7 +384,7 @@ def _output_like(model: torch.nn.Module, inputs: tuple[Any, ...], kwargs: Mappin
     a model that fake tensors cannot run is run for real, without gradients."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from planner.graph_build import preserved_state
+    from planner.profiler.interpreter import preserved_state
 
     with preserved_state(model):
         try:

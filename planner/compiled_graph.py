@@ -63,11 +63,11 @@ from planner.compiled_groups import (
     random_draws,
     step_constants,
 )
-from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
-from planner.graph_build import LOSS_NODE
 from planner.ir import ActivationGraph, Node, Schedule, StaticBytes
 from planner.kernel_scratch import scratch_bytes
-from planner.measurement import counted_bytes, current_counting
+from planner.profiler.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
+from planner.profiler.interpreter import LOSS_NODE
+from planner.profiler.measurement import counted_bytes, current_counting
 from planner.simulation.step import held_storages
 
 __all__ = ["CompiledGraph", "LossProfile", "build_compiled_graph"]

@@ -70,8 +70,8 @@ from planner.compiled_step import (
 )
 from planner.errors import InfeasibleBudget
 from planner.ir import GLUE_OP, ActivationGraph, BudgetKind, TrainingStep
-from planner.measurement import OptimizerSpec, current_counting
 from planner.plan import Plan
+from planner.profiler.measurement import OptimizerSpec, current_counting
 from planner.profiling import Profile, profile
 from planner.solvers.solved_plan import CompiledStep
 
@@ -101,7 +101,7 @@ class SplitPlanning:
 
 def splits(call: ExampleStep) -> bool:
     """Whether dynamo breaks the step's graph (its trace, without compiling: `torch._dynamo.explain`)."""
-    from planner.graph_build import preserved_state
+    from planner.profiler.interpreter import preserved_state
 
     with preserved_state(call.model), dynamo_settings():
         explanation = torch._dynamo.explain(call.model)(*call.inputs, **call.kwargs)

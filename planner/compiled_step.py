@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from planner.errors import InfeasibleBudget, PlannerError, format_bytes
-from planner.measurement import AllocatorPhases, end_autocast_forward, tensors_in
 from planner.plan import Plan
+from planner.profiler.measurement import AllocatorPhases, end_autocast_forward, tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class ExampleStep:
 def checked_peak_bytes(plan: Plan, module: torch.nn.Module, call: ExampleStep) -> int | None:
     """NOTE [checked budget]: the measured forward/backward peak with the step's resident state, or the
     predicted peak after backward where higher; None on a device this cannot measure."""
-    from planner.graph_build import preserved_state
+    from planner.profiler.interpreter import preserved_state
 
     static = plan.graph.static
     device = call.targets[0].device
@@ -146,7 +146,7 @@ def compile_step(module: torch.nn.Module, call: ExampleStep) -> None:
     """One forward and backward through `module`, which compiles both graphs; RNG state and buffers
     are restored and no `.grad` is written, so the model is left as it was. A planner error raised
     inside the compiler (an infeasible budget) is raised as itself."""
-    from planner.graph_build import preserved_state
+    from planner.profiler.interpreter import preserved_state
 
     try:
         with preserved_state(call.model):

@@ -56,7 +56,7 @@ NO_OPTIMIZER = "none"
 
 
 class OptimizerName(StrEnum):
-    """The optimizers one can name (`optimizer="adam"`), as measurement.py's `make_optimizer` builds
+    """The optimizers one can name (`optimizer="adam"`), as profiler/measurement.py's `make_optimizer` builds
     them; members are their string values, so names stay plain strings in JSON."""
 
     ADAM = "adam"
@@ -74,7 +74,7 @@ class CostModel(StrEnum):
     MEASURED = "measured"
     """Profiling steps on the model's device."""
     ANALYTIC = "analytic"
-    """FLOPs and bytes on a roofline of a named device (cost_model.py); `timing` reads
+    """FLOPs and bytes on a roofline of a named device (profiler/cost_model.py); `timing` reads
     "analytic (<device>)"."""
 
 
@@ -176,7 +176,8 @@ class Node:
     keep_cache_bytes: int = 0
     """What a selective checkpoint policy caches when it keeps this node: every storage its operators
     allocate, freed inside the node or not, less the outputs the policy replays (casts, scratch filled
-    in place; `saved_when_kept` in selective_cost.py). See NOTE [selective keeps] in simulation/step.py."""
+    in place; `saved_when_kept` in profiler/selective_cost.py). See NOTE [selective keeps] in
+    simulation/step.py."""
     replayed_when_kept: tuple[str, ...] = ()
     """Storages among `creates` that a selective policy makes again in the replay rather than cache when
     it keeps this node (a weight's autocast cast): they leave after their last reader as unkept ones do."""
@@ -309,14 +310,14 @@ class ActivationGraph:
     optimizer: str
     timing: str = CostModel.MEASURED.value
     """Where per-node times come from: "measured" (profiling steps on the model's device) or
-    "analytic (<device>)" (FLOPs and bytes on a roofline, see cost_model.py)."""
+    "analytic (<device>)" (FLOPs and bytes on a roofline, see profiler/cost_model.py)."""
     selective_op_overhead_ms: float = 0.0
     """Time a selective checkpoint policy adds per dispatched operator of a region that keeps nodes
-    (forward and replay together; see selective_cost.py)."""
+    (forward and replay together; see profiler/selective_cost.py)."""
     checkpoint_call_ms: float = 0.0
     """Time one checkpointed region adds beyond replaying its forward, once per region:
     `torch.utils.checkpoint`'s own work (RNG state saved and restored, the replay's set-up), forward and
-    backward together (see selective_cost.py). It is why ten small regions cost more than one region
+    backward together (see profiler/selective_cost.py). It is why ten small regions cost more than one region
     of the same recompute."""
     checkpoint_op_ms: float = 0.0
     """Time a checkpointed region adds per operator of its nodes (`Node.operator_count`): checkpoint's

@@ -27,8 +27,8 @@ from planner.solvers.solved_plan import SolvedPlan
 if TYPE_CHECKING:
     import torch
 
-    from planner.measurement import OptimizerSpec
     from planner.plots import MeasuredSeries
+    from planner.profiler.measurement import OptimizerSpec
 
 __all__ = ["Plan", "ProfiledStep", "StepSettings"]
 
@@ -125,8 +125,9 @@ class Plan(SolvedPlan):
         """Write the plan's predicted step as a PyTorch memory snapshot (the pickle
         `torch.cuda.memory._dump_snapshot` writes), for pytorch.org/memory_viz: the allocator model's
         segments and every allocation, named by its storage, node and module (`reserved.memory_snapshot`).
-        With `measured=True`, two real training steps of `plan.module` instead (snapshots.py): the real
-        snapshot on a GPU, on the CPU the measured allocations through the same allocator model."""
+        With `measured=True`, two real training steps of `plan.module` instead (profiler/snapshots.py):
+        the real snapshot on a GPU, on the CPU the measured allocations through the same allocator
+        model."""
         if not measured:
             return write_snapshot(memory_snapshot(self.graph, self.schedule), path)
         if self.profile is None or self.module is None:
@@ -134,7 +135,7 @@ class Plan(SolvedPlan):
                 "a measured snapshot runs plan.module, and this plan has none (it was loaded from JSON); "
                 "export the predicted one, or the one of the plan planner.optimize returns"
             )
-        from planner.snapshots import measured_snapshot
+        from planner.profiler.snapshots import measured_snapshot
 
         profiled, settings = self.profile, self.profile.settings
         snapshot = measured_snapshot(

@@ -12,7 +12,7 @@ without pyplot: no backend is switched, no display is needed, nothing global is 
 `timeline_figure`/`pareto_figure` return them for further styling; `plot_timeline`/`plot_pareto` save
 them in the format the path's suffix names (`.png`, `.svg`, `.pdf`). Nothing here imports torch:
 a measured series is any object with `samples`, a sequence of (phase, live bytes) pairs, such as
-`planner.measurement.MeasuredTimeline`.
+`planner.profiler.measurement.MeasuredTimeline`.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def _timeline_title(plan: SolvedPlan) -> str:
 def timeline_figure(plan: SolvedPlan, *, measured: MeasuredSeries | None = None) -> Figure:
     """Live memory over one training step, predicted with the plan and without checkpointing.
 
-    `measured`, e.g. `planner.measurement.measure_timeline(plan.module, inputs)`, adds the measured
+    `measured`, e.g. `planner.profiler.measurement.measure_timeline(plan.module, inputs)`, adds the measured
     series of the planned module.
     """
     graph, count = plan.graph, len(plan.graph.nodes)

@@ -2,7 +2,7 @@
 
 Why it exists: every way to plan a model (`optimize`, `pareto`, `Plan.replan`, the CLI, the service
 client) needs the same three things: the captured model (capture/chain.py, or the module level when no
-graph can be captured), the activation graph of one profiled training step (graph_build.py or
+graph can be captured), the activation graph of one profiled training step (profiler/interpreter.py or
 capture/model_call.py, then sharded and extended to the step the user runs), and a way to rewrite the model
 for any schedule of that graph (rewrite.py). A `Profile` holds them, so each path is "profile, then
 solve, then rewrite", and none keeps a copy of the capture chain that could drift from the others
@@ -46,13 +46,14 @@ from torch.utils._pytree import tree_map
 from planner.blocks import longest_block_stack
 from planner.capture.chain import Capture, call_shapes, candidate_units, capture
 from planner.capture.model_call import capture_model_call
-from planner.cost_model import DeviceSpec, device_spec
 from planner.errors import GIB, LargerShapeWarning, UnsupportedModel, format_bytes
 from planner.graph_api import Frontier, pareto_frontier, plan_graph
-from planner.graph_build import LOSS_NODE, build_activation_graph
 from planner.ir import GLUE_OP, ActivationGraph, BudgetKind, CostModel, MemoryCounting, Schedule, TrainingStep
-from planner.measurement import OptimizerSpec, default_loss, tensors_in
 from planner.plan import Plan
+from planner.profiler.cost_model import DeviceSpec, device_spec
+from planner.profiler.interpreter import LOSS_NODE, build_activation_graph
+from planner.profiler.measurement import OptimizerSpec, default_loss, tensors_in
+from planner.profiler.sharding import Sharding, shard_graph
 from planner.rewrite import (
     AUTOCAST_DEVICES,
     add_forward_pre_hook,
@@ -69,7 +70,6 @@ from planner.shapes import (
     meta_copy,
     outside_modes,
 )
-from planner.sharding import Sharding, shard_graph
 from planner.simulation.allocator import AllocatorSettings
 from planner.simulation.step import for_training_step, simulate
 

@@ -465,7 +465,7 @@ def _fits(budget_bytes: int, peak_bytes: int) -> str:
 
 
 def _card_note(plan: SolvedPlan) -> str:
-    """Where a budget taken from a card came from (NOTE [held back] in cost_model.py)."""
+    """Where a budget taken from a card came from (NOTE [held back] in profiler/cost_model.py)."""
     if plan.card is None:
         return ""
     return (

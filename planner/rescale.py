@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
 from planner.ir import ActivationGraph, Node, StaticBytes
+from planner.profiler.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
 
 __all__ = ["FIT_SIZES", "GraphFamily", "NotRescalable"]
 
@@ -136,7 +136,8 @@ def _lagrange(sizes: Sequence[int], values: Sequence[int], size: int) -> Fractio
 
 
 def _with_times(graph: ActivationGraph, spec: DeviceSpec) -> ActivationGraph:
-    """`graph` with every node's times recomputed from its FLOPs and bytes (as graph_build.py does)."""
+    """`graph` with every node's times recomputed from its FLOPs and bytes (as profiler/interpreter.py
+    does)."""
     nodes = []
     for node in graph.nodes:
         forward_ms = analytic_forward_ms(node.forward_flops, node.moved_bytes, spec, random=node.random)

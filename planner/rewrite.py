@@ -50,7 +50,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from planner.capture.chain import Capture
 from planner.errors import UnplannedStep, UnsupportedModel, format_bytes
 from planner.ir import ActivationGraph, Schedule, TrainingStep
-from planner.selective_cost import saved_when_kept
+from planner.profiler.selective_cost import saved_when_kept
 from planner.shapes import CallDispatch, RegionNodes, regions_of
 
 __all__ = [
@@ -269,7 +269,7 @@ def _autocast_uncached() -> Iterator[None]:
     Autocast caches the bf16 copy of each weight until its outermost block ends, after the loss: in a
     checkpointed region that would keep the copies that checkpointing meant to drop, and the plan's
     prediction would miss them. Uncached, a copy lives as long as autograd needs it; the replay
-    records and restores the same autocast state. (See NOTE [autocast] in measurement.py.)
+    records and restores the same autocast state. (See NOTE [autocast] in profiler/measurement.py.)
     """
     with ExitStack() as stack:
         for device in AUTOCAST_DEVICES:

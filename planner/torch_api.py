@@ -13,11 +13,17 @@ from typing import Any
 
 import torch
 
-from planner.cost_model import DeviceSpec, device_spec
 from planner.graph_api import Frontier
 from planner.ir import BudgetKind, TrainingStep
-from planner.measurement import MeasuredStep, OptimizerSpec, counting_scope, default_loss, measure_step
 from planner.plan import Plan
+from planner.profiler.cost_model import DeviceSpec, device_spec
+from planner.profiler.measurement import (
+    MeasuredStep,
+    OptimizerSpec,
+    counting_scope,
+    default_loss,
+    measure_step,
+)
 from planner.profiling import budget_bytes_of, example_call, memory_counting_of, profile, training_step_of
 from planner.simulation.allocator import AllocatorSettings
 from planner.solvers import check_solver
@@ -55,7 +61,7 @@ def optimize(
 
     For data-parallel training over `world_size` ranks, pass the per-rank example batch and
     `sharding="ddp"` (replicated state plus DDP's gradient buckets) or `"fsdp"` (state split across
-    ranks, one block gathered at a time); the budget is then one rank's memory (see sharding.py).
+    ranks, one block gathered at a time); the budget is then one rank's memory (see profiler/sharding.py).
     With `"fsdp"` (and measured costs) the plan is made by submodules, so that `plan.module` trains
     under FSDP2: `fully_shard` each block of `plan.module`, then `plan.module` (NOTE [FSDP2] in
     rewrite.py). Raises `UnsupportedModel` for a model that `fully_shard` already wraps.
@@ -134,7 +140,7 @@ def budget_and_card(
     budget_gb: float | None, budget_bytes: int | None, device: str | DeviceSpec | None
 ) -> tuple[int, DeviceSpec | None]:
     """The budget given, or without one the usable memory of the card `device` names (its memory less
-    what is held back, NOTE [held back] in cost_model.py) and that card."""
+    what is held back, NOTE [held back] in profiler/cost_model.py) and that card."""
     if budget_gb is None and budget_bytes is None and device is not None:
         spec = device_spec(device)
         if spec.usable_memory_bytes is not None:

@@ -33,6 +33,7 @@ STAGES: dict[str, int] = {
     "zoo": 0,
     "simulation": 1,  # the torch-free models of a step and of CUDA's caching allocator
     "capture": 2,  # model -> fx graph
+    "profiler": 3,  # fx graph -> ActivationGraph
     "solvers": 4,  # ActivationGraph -> Schedule, without torch
     "client": 11,  # the entry points
     "cli": 11,

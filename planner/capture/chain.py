@@ -24,7 +24,7 @@ that takes the finest level that works and records which one it took (`Capture.p
 NOTE [hooks]: hooks must behave as without checkpointing. The planned module shares the root's hook
 dictionaries, so the root's hooks run once per call; both levels trace the root's `forward`, not its
 `__call__`, so the hooks are not also traced into the graph. FX keeps a submodule with hooks as one
-node that calls the module (its hooks run), and graph_build marks that node not checkpointable, so a
+node that calls the module (its hooks run), and the profiler marks that node not checkpointable, so a
 replay never runs the hooks a second time. torch.export would inline such a submodule and run its hooks
 once, at capture, so the export level refuses models whose submodules carry hooks.
 
@@ -35,7 +35,7 @@ its tensor is new (made by a convolution, a norm, a Linear, an addition, an ATen
 returns no alias, ...) and no node after it reads that tensor; buffers are never switched. Values are
 the same; the tensor written is a new one. In-place ops that stay (writes through a view, slice
 assignment, a tensor read again later) are found while profiling, by version counters, and
-graph_build keeps their readers out of checkpointed regions.
+the profiler keeps their readers out of checkpointed regions.
 
 Which inputs the graph takes is the job of `GraphCall`: the planned module is called like the model
 (`model(x, attention_mask=m)`), and the captured graph takes either the bound arguments in signature

@@ -7,7 +7,7 @@ measured step. `optimize(..., sharding="fsdp")` plans here directly, because FSD
 its blocks called as modules (NOTE [FSDP2] in rewrite.py).
 
 At this level the captured graph is one call of the model (`capture_model_call`), and the profiling step
-(graph_build.py) splits that call at its *units*, as it splits any call it cannot follow (NOTE [split
+(profiler/interpreter.py) splits that call at its *units*, as it splits any call it cannot follow (NOTE [split
 calls] in simulation/step.py): the model's own code between unit calls (glue) and each unit call are the
 nodes of the activation graph, with the model's module paths.
 

@@ -52,7 +52,7 @@ that it did not receive is among its `creates`, so the two cases are told apart 
 (`stops_before_outputs`). The replay runs when the trigger's backward unpacks its first saved tensor:
 the gradients in flight have arrived, the gradients it computes (and its parameters') are not made yet.
 The profiling step measures what is live at that unpack (`Node.replay_workspace_bytes`, see
-graph_build.py).
+profiler/interpreter.py).
 
 NOTE [selective keeps]: a node in a CHECKPOINT region's `keep` runs under a selective checkpoint policy
 that saves its operators' outputs (MUST_SAVE). What those operators allocate, less the casts and
@@ -469,7 +469,8 @@ def checkpoint_overhead_ms(graph: ActivationGraph, region: Region, operators: in
 
 
 def selective_overhead_ms(graph: ActivationGraph, region: Region) -> float:
-    """What running `region` under a selective policy adds (none without keeps; see selective_cost.py)."""
+    """What running `region` under a selective policy adds (none without keeps; see
+    profiler/selective_cost.py)."""
     if not region.keep:
         return 0.0
     operators = sum(node.operator_count for node in graph.nodes[region.start : region.stop])

@@ -87,7 +87,7 @@ class SolvedPlan:
     budget): its memory less `held_back_bytes`. None for a budget given by hand."""
     held_back_bytes: int = 0
     """Of the card's memory, what the budget leaves out for the CUDA context and cuBLAS workspaces
-    (NOTE [held back] in cost_model.py)."""
+    (NOTE [held back] in profiler/cost_model.py)."""
     budget_kind: BudgetKind = BudgetKind.ALLOCATED
     """What the budget (and `min_peak_bytes`) bounds: allocated or reserved bytes (NOTE [budget kinds]
     in ir.py). `predicted_peak_bytes` is allocated bytes either way; `reserved` has the reserved ones."""

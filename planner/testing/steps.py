@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner.measurement import default_loss
+from planner.profiler.measurement import default_loss
 
 __all__ = [
     "STEP_SEED",

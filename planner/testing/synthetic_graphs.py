@@ -346,7 +346,7 @@ def with_selective_price(
     graph: ActivationGraph, operator_counts: list[int], per_operator_ms: float
 ) -> ActivationGraph:
     """`graph` whose nodes dispatch `operator_counts` operators, each costing a selective policy
-    `per_operator_ms` (see planner/selective_cost.py)."""
+    `per_operator_ms` (see planner/profiler/selective_cost.py)."""
     nodes = tuple(
         dataclasses.replace(node, operator_count=count)
         for node, count in zip(graph.nodes, operator_counts, strict=True)

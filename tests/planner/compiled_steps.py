@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from planner.measurement import default_loss
+from planner.profiler.measurement import default_loss
 
 GRADIENT_RTOL = 1e-4
 """Inductor fuses differently around a recomputed region: sums in another order, float32 rounding."""

@@ -1,4 +1,5 @@
-"""Attention planned on the meta device runs the kernel the planned device would (planner/attention.py)."""
+"""Attention planned on the meta device runs the kernel the planned device would
+(planner/profiler/attention.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ fits, predicts within 2 % (`PREDICTION_TOLERANCE`) and trains with the original'
 
 Planning and measuring run inside the caller's autocast block, as a training loop's forward does;
 backward runs outside it, as PyTorch's mixed-precision recipe says (see NOTE [autocast] in
-planner/measurement.py).
+planner/profiler/measurement.py).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_bf16_plan_fits_predicts_and_keeps_gradients(name: str) -> None:
 
 def test_a_kept_linear_under_bf16_caches_its_output_not_its_weights_cast() -> None:
     """Autocast casts a Linear's weight to bf16 and the Linear saves that cast; a selective policy
-    keeping the Linear caches its output but replays the cast (planner/selective_cost.py), so the
+    keeping the Linear caches its output but replays the cast (planner/profiler/selective_cost.py), so the
     simulator must not hold the cast from forward to the replay. Counting the two casts of one
     checkpointed block as cached over-predicted the measured peak by 256 KiB (3.9 % on CI)."""
     call = build_call("tied_lm")

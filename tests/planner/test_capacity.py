@@ -150,7 +150,7 @@ def test_the_meta_device_gives_the_same_answers(searched: tuple[Case, Capacity])
     for row in on_meta.rows:
         real = table.row(row.size)
         # The optimizer step's temporaries are probed on scaled CPU stand-ins of meta parameters, an
-        # upper bound by a few hundred bytes (planner/static_memory.py); everything else is exact.
+        # upper bound by a few hundred bytes (planner/profiler/static_memory.py); everything else is exact.
         # In 512-byte blocks each temporary rounded at its stand-in's size and scaled back up adds up to a
         # block divided by the scale: an upper bound by a few KiB.
         assert row.baseline_peak_bytes == pytest.approx(real.baseline_peak_bytes, rel=1e-4)

@@ -28,7 +28,7 @@ from planner import zoo
 from planner.compiled import plan_compiled_step
 from planner.compiled_step import lowered_budget_bytes
 from planner.ir import TrainingStep
-from planner.measurement import AllocatorPhases, LiveStorageTracker, default_loss
+from planner.profiler.measurement import AllocatorPhases, LiveStorageTracker, default_loss
 from planner.testing.zoo_real import build_call
 from tests.planner.compiled_steps import GRADIENT_RTOL, HUGE_BUDGET_BYTES, compiled_gradients
 
@@ -252,7 +252,7 @@ def test_compile_plans_one_process() -> None:
 
 
 def test_the_allocator_counts_an_eager_step_as_the_storage_tracker_does() -> None:
-    """The measurement compiled steps use (NOTE [compiled steps] in measurement.py) against the one
+    """The measurement compiled steps use (NOTE [compiled steps] in profiler/measurement.py) against the one
     eager plans are held to, on a step both can see."""
     model, inputs = zoo.build_model("seed000_mlp")
     resident = [*model.parameters(), *inputs]

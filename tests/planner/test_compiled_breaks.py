@@ -23,7 +23,7 @@ from planner.compiled import plan_compiled_step
 from planner.compiled_split import compiled_pieces
 from planner.compiled_step import ExampleStep, raise_if_over
 from planner.ir import TrainingStep
-from planner.measurement import default_loss
+from planner.profiler.measurement import default_loss
 from tests.planner.compiled_steps import GRADIENT_RTOL, HUGE_BUDGET_BYTES, SEED, compiled_gradients
 
 REPOSITORY = Path(__file__).resolve().parents[2]

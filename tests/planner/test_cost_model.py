@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import planner
-from planner.cost_model import DEVICES, DeviceSpec, analytic_forward_ms, device_spec
-from planner.profiling_records import moved_bytes
+from planner.profiler.cost_model import DEVICES, DeviceSpec, analytic_forward_ms, device_spec
+from planner.profiler.records import moved_bytes
 from planner.zoo import build_model
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import planner
-from planner.cost_model import device_spec
 from planner.ir import BLOCK_BYTES, BudgetKind, MemoryCounting
+from planner.profiler.cost_model import device_spec
 from planner.serialize import graph_from_dict, graph_to_dict
 from planner.simulation.allocator import AllocatorSettings, replay
 from planner.simulation.reserved import allocation_events, predict_reserved

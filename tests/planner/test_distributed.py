@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import planner
-from planner.measurement import default_loss
+from planner.profiler.measurement import default_loss
 from planner.testing.zoo_real import build_call
 
 WORLD_SIZE = 2

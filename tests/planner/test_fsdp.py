@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import planner
-from planner.measurement import default_loss
+from planner.profiler.measurement import default_loss
 from planner.zoo import build_model
 
 WORLD_SIZE = 2

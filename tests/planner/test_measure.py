@@ -10,7 +10,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import planner
 from planner.ir import MemoryCounting
-from planner.measurement import AllocatorPhases, LiveStorageTracker, default_loss
+from planner.profiler.measurement import AllocatorPhases, LiveStorageTracker, default_loss
 from planner.zoo import build_model
 
 

@@ -7,7 +7,7 @@ import copy
 import torch
 
 import planner
-from planner.measurement import measure_timeline
+from planner.profiler.measurement import measure_timeline
 
 PHASES = ("forward", "backward", "optimizer step")
 

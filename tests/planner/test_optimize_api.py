@@ -111,7 +111,7 @@ def test_custom_loss_is_planned_with_the_model(mlp) -> None:  # type: ignore[no-
 
 
 def test_public_functions_stay_functions_after_their_modules_load() -> None:
-    import planner.measurement
+    import planner.profiler.measurement
     import planner.torch_api  # noqa: F401  (loading the submodules must not shadow the functions)
 
     assert callable(planner.optimize) and callable(planner.measure) and callable(planner.pareto)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import planner
-from planner.measurement import default_loss
+from planner.profiler.measurement import default_loss
 from planner.testing.steps import assert_same_step, one_step
 from planner.testing.zoo_real import REAL_ZOO, ExampleCall, build_call
 from tests.planner.real_models import (

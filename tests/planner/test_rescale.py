@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import planner
-from planner.cost_model import device_spec
 from planner.ir import ActivationGraph
+from planner.profiler.cost_model import device_spec
 from planner.rescale import GraphFamily, NotRescalable
 
 SPEC = device_spec("h100")

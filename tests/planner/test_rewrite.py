@@ -9,9 +9,9 @@ from torch import nn
 
 import planner
 from planner.capture.chain import capture
-from planner.graph_build import build_activation_graph
 from planner.ir import Region, RegionPolicy, Schedule
-from planner.measurement import default_loss
+from planner.profiler.interpreter import build_activation_graph
+from planner.profiler.measurement import default_loss
 from planner.rewrite import CheckpointedRegion, planned_graph_of, rewrite
 from planner.testing.steps import assert_same_step, one_step
 from planner.zoo import build_model

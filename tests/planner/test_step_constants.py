@@ -18,9 +18,9 @@ from torch import nn
 import planner
 from planner.compiled import plan_compiled_step
 from planner.compiled_groups import SEEDS_NODE
-from planner.graph_build import LOSS_NODE
 from planner.ir import ActivationGraph, MemoryCounting, TrainingStep
-from planner.measurement import default_loss
+from planner.profiler.interpreter import LOSS_NODE
+from planner.profiler.measurement import default_loss
 from planner.simulation.step import held_storages
 
 SEQUENCE = 24

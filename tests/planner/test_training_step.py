@@ -31,7 +31,7 @@ PREDICTION_TOLERANCE = 0.02
 MODELS = ("gpt_small", "cnn_bn_dropout", "seed001_cnn")
 
 Parameters = Iterable[torch.nn.Parameter]
-OPTIMIZERS: dict[str, Callable[[Parameters], planner.measurement.OptimizerSpec]] = {
+OPTIMIZERS: dict[str, Callable[[Parameters], planner.profiler.measurement.OptimizerSpec]] = {
     "adam": lambda _: "adam",  # a name: torch's default implementation, single-tensor on the CPU
     "adam-foreach": lambda params: torch.optim.Adam(params, lr=1e-3, foreach=True),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False),

@@ -33,7 +33,13 @@ from torch import fx
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 from planner.ir import NO_OPTIMIZER, StaticBytes, TrainingStep
-from planner.measurement import LiveStorageTracker, OptimizerSpec, counted_bytes, make_optimizer, tensors_in
+from planner.profiler.measurement import (
+    LiveStorageTracker,
+    OptimizerSpec,
+    counted_bytes,
+    make_optimizer,
+    tensors_in,
+)
 
 __all__ = [
     "constant_bytes",

@@ -26,8 +26,8 @@ from torch.utils._pytree import tree_map
 from planner.capture.chain import Capture, candidate_units, has_hooks
 from planner.capture.model_call import MODEL_CALL
 from planner.ir import GLUE_OP
-from planner.measurement import tensors_in
-from planner.profiling_records import RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
+from planner.profiler.measurement import tensors_in
+from planner.profiler.records import RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
 
 __all__ = ["NodeRecorder", "SplitCall", "split_calls", "static_split_calls"]
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class NodeRecorder(Protocol):
-    """The profiling interpreter as a split call uses it (graph_build.py)."""
+    """The profiling interpreter as a split call uses it (interpreter.py)."""
 
     module: torch.nn.Module
     tracker: ProfilingTracker | None

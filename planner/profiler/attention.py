@@ -8,7 +8,7 @@ model at sequence 4,096 the math path holds about 2.7 GiB per layer and sample w
 0.03 GiB, so a plan made on meta for an H100 would count memory the H100 never allocates, and
 `planner.capacity` would answer with a batch several times too small.
 
-`planned_attention(spec)` is a TorchFunctionMode, active while graph_build.py profiles a model whose
+`planned_attention(spec)` is a TorchFunctionMode, active while interpreter.py profiles a model whose
 tensors are on the meta device, that sends each call (as a function, or as the ATen operator an
 exported graph calls) to the kernel the planned device would pick, whose meta kernel and autograd
 formula PyTorch ships:
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from planner.cost_model import DeviceSpec
+from planner.profiler.cost_model import DeviceSpec
 
 __all__ = ["FLASH_MAX_HEAD_SIZE", "planned_attention"]
 

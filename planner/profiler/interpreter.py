@@ -29,11 +29,11 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from planner.attention import planned_attention
 from planner.capture.chain import Capture, has_hooks
-from planner.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
 from planner.ir import ActivationGraph, CostModel, MemoryCounting, Node, Phase, TrainingStep
-from planner.measurement import (
+from planner.profiler.attention import planned_attention
+from planner.profiler.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
+from planner.profiler.measurement import (
     LiveStorageTracker,
     OptimizerSpec,
     counted_bytes,
@@ -43,16 +43,16 @@ from planner.measurement import (
     start_autocast_forward,
     tensors_in,
 )
-from planner.profiling_records import RANDOM_FUNCTIONS, RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
-from planner.selective_cost import (
+from planner.profiler.records import RANDOM_FUNCTIONS, RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
+from planner.profiler.selective_cost import (
     CheckpointCost,
     draws_random_numbers,
     measure_checkpoint_cost,
     measure_selective_op_overhead_ms,
 )
+from planner.profiler.split_calls import SplitCall, split_calls, static_split_calls
+from planner.profiler.static_memory import constant_bytes, extra_static_tensors, optimizer_name, static_bytes
 from planner.simulation.step import simulate, store_everything
-from planner.split_calls import SplitCall, split_calls, static_split_calls
-from planner.static_memory import constant_bytes, extra_static_tensors, optimizer_name, static_bytes
 
 __all__ = ["LOSS_NODE", "MeasuredPeaks", "build_activation_graph", "calibrate_workspace"]
 

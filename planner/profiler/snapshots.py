@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from planner.ir import TrainingStep
-from planner.measurement import OptimizerSpec, measure_step, record_allocations, tensors_in
+from planner.profiler.measurement import OptimizerSpec, measure_step, record_allocations, tensors_in
 from planner.simulation.allocator import AllocatorSettings, CachingAllocatorModel, apply_event
 
 __all__ = ["measured_snapshot"]

@@ -1,6 +1,6 @@
 """What a profiling step records about each node, and the instruments it records with.
 
-Why it exists: the profiling step (graph_build.py) runs the captured graph node by node, and a call the
+Why it exists: the profiling step (interpreter.py) runs the captured graph node by node, and a call the
 capture could not follow runs as parts (split_calls.py); both describe what they ran with the same
 record, name activation storages with the same tracker and count FLOPs and operators with the same
 meters, so the activation graph's nodes mean the same whichever way they were profiled.
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from planner.measurement import LiveStorageTracker, tensors_in
-from planner.selective_cost import OperatorCounter, saved_when_kept
+from planner.profiler.measurement import LiveStorageTracker, tensors_in
+from planner.profiler.selective_cost import OperatorCounter, saved_when_kept
 
 __all__ = [
     "RANDOM_FUNCTIONS",

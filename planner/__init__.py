@@ -7,7 +7,7 @@
     print(planner.capacity(model, make_inputs, batch=range(1, 513), device="a100-40gb"))
 
 The flow is capture (capture/) -> activation graph (profiler/) -> solve (solvers/) ->
-rewrite (rewrite.py); `profile` runs the first two once and keeps them (a `Profile`) for any number of
+rewrite (rewrite/); `profile` runs the first two once and keeps them (a `Profile`) for any number of
 solves, which is what `optimize`, `pareto` and `Plan.replan` do; `measure` reports what a real
 training step used. The solvers, the simulator
 and `Plan` work on plain data (ir.py) and never import torch: `import planner` alone does not import

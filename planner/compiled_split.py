@@ -32,7 +32,7 @@ dynamo settings. Shapes are static (`dynamic=False`): a call with other shapes r
 graph is planned on its own.
 
 NOTE [eager draws]: a checkpointed region that holds a whole split call runs eagerly when its module
-is compiled (NOTE [checkpointed breaks] in rewrite.py: dynamo cannot split a checkpoint at a graph
+is compiled (NOTE [checkpointed breaks] in rewrite/emit.py: dynamo cannot split a checkpoint at a graph
 break, and such code is where it breaks). Eager dropout draws its mask from the generator, inductor's
 from seeds it takes from the generator once per graph, so that region's masks differ from the
 compiled step's, and so do all drawn after it. Tried on five residual MLP blocks of width 128 whose
@@ -169,7 +169,7 @@ def eager_profile(call: ExampleStep, optimizer: OptimizerSpec, step: TrainingSte
 
 def eager_draws(graph: ActivationGraph) -> dict[str, str]:
     """Split calls (node names -> module paths) that draw random numbers: a checkpoint of one whole
-    runs eagerly under torch.compile (NOTE [checkpointed breaks] in rewrite.py)."""
+    runs eagerly under torch.compile (NOTE [checkpointed breaks] in rewrite/emit.py)."""
     drawing = {node.part_of for node in graph.nodes if node.part_of and node.random}
     return {
         node.part_of: node.module_path

@@ -4,7 +4,7 @@ Why it exists: every way to plan a model (`optimize`, `pareto`, `Plan.replan`, t
 client) needs the same three things: the captured model (capture/chain.py, or the module level when no
 graph can be captured), the activation graph of one profiled training step (profiler/interpreter.py or
 capture/model_call.py, then sharded and extended to the step the user runs), and a way to rewrite the model
-for any schedule of that graph (rewrite.py). A `Profile` holds them, so each path is "profile, then
+for any schedule of that graph (rewrite/emit.py). A `Profile` holds them, so each path is "profile, then
 solve, then rewrite", and none keeps a copy of the capture chain that could drift from the others
 (the service client once did, and lost the export fallback). Solving a profile again costs no
 profiling run, so plans compared on one profile rest on the same measured node times.
@@ -16,9 +16,9 @@ profiling run, so plans compared on one profile rest on the same measured node t
 A profile also predicts a plan's peak at other input shapes (`predicted_peak_bytes`): the model's
 graph is built again at those shapes on the meta device, as the profiled one was built on real
 tensors (graphs built on meta equal real ones byte for byte), and the plan's regions are carried over
-to it (NOTE [carried regions] in shapes.py). Nothing of the model's size is allocated and nothing runs
-for real, so a model whose forward reads tensor values (data-dependent routing, a root that branches
-on a value) cannot be predicted this way and says so.
+to it (NOTE [carried regions] in rewrite/other_shapes.py). Nothing of the model's size is allocated and
+nothing runs for real, so a model whose forward reads tensor values (data-dependent routing, a root that
+branches on a value) cannot be predicted this way and says so.
 
 NOTE [larger shapes]: a budget is made for the example call. Smaller calls (a short last batch,
 shorter sequences) fit it: every tensor is at most as large, the plan's regions are the same, and the
@@ -54,15 +54,14 @@ from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.interpreter import LOSS_NODE, build_activation_graph
 from planner.profiler.measurement import OptimizerSpec, default_loss, tensors_in
 from planner.profiler.sharding import Sharding, shard_graph
-from planner.rewrite import (
+from planner.rewrite.emit import (
     AUTOCAST_DEVICES,
     add_forward_pre_hook,
     fully_sharded_modules,
     guard_gradients,
     rewrite,
-    rewrite_units,
 )
-from planner.shapes import (
+from planner.rewrite.other_shapes import (
     align_names,
     carry_schedule,
     constants_on_meta,
@@ -70,6 +69,7 @@ from planner.shapes import (
     meta_copy,
     outside_modes,
 )
+from planner.rewrite.units import rewrite_units
 from planner.simulation.allocator import AllocatorSettings
 from planner.simulation.step import for_training_step, simulate
 
@@ -89,7 +89,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FSDP_UNITS_REASON = "sharding='fsdp' plans by submodules, so that fully_shard's units run as module calls"
-"""Why FSDP plans skip FX and torch.export (see NOTE [FSDP2] in rewrite.py)."""
+"""Why FSDP plans skip FX and torch.export (see NOTE [FSDP2] in rewrite/emit.py)."""
 FSDP_CAPTURE_NOTE = "fsdp units"
 """Appended to `Plan.capture` of a plan made for FSDP: "module (fsdp units)"."""
 

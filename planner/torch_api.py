@@ -64,7 +64,7 @@ def optimize(
     ranks, one block gathered at a time); the budget is then one rank's memory (see profiler/sharding.py).
     With `"fsdp"` (and measured costs) the plan is made by submodules, so that `plan.module` trains
     under FSDP2: `fully_shard` each block of `plan.module`, then `plan.module` (NOTE [FSDP2] in
-    rewrite.py). Raises `UnsupportedModel` for a model that `fully_shard` already wraps.
+    rewrite/emit.py). Raises `UnsupportedModel` for a model that `fully_shard` already wraps.
 
     Per-node times are measured on the model's device (`cost_model="measured"`) or priced by FLOPs
     and bytes on a named device (`cost_model="analytic", device="h100"`), which also plans a model

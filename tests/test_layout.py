@@ -35,6 +35,7 @@ STAGES: dict[str, int] = {
     "capture": 2,  # model -> fx graph
     "profiler": 3,  # fx graph -> ActivationGraph
     "solvers": 4,  # ActivationGraph -> Schedule, without torch
+    "rewrite": 5,  # Schedule -> checkpointed module
     "client": 11,  # the entry points
     "cli": 11,
     "demo": 11,

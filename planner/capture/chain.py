@@ -48,7 +48,7 @@ and traces views for the example's strides), and either the example's shapes (a 
 shapes inside the ranges and guards of its dynamic dimensions, checked as torch.export checks the
 inputs of the modules it unlifts (which admits sizes 0 and 1 where the range starts at 2: export
 reasons as if a dynamic size were at least 2, and the graph it records holds for 1 as well). A call
-the graph does not admit is captured again at its own shape (planner/shapes.py).
+the graph does not admit is captured again at its own shape (planner/rewrite/other_shapes.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Why it exists: some root forwards cannot be traced by torch.fx or torch.export (
 on tensor values, hooks that export would inline). Their submodules can still be checkpointed one at
 a time, as `gradient_checkpointing_enable` does, and the planner can still choose which ones from a
 measured step. `optimize(..., sharding="fsdp")` plans here directly, because FSDP2's `fully_shard` needs
-its blocks called as modules (NOTE [FSDP2] in rewrite.py).
+its blocks called as modules (NOTE [FSDP2] in rewrite/emit.py).
 
 At this level the captured graph is one call of the model (`capture_model_call`), and the profiling step
 (profiler/interpreter.py) splits that call at its *units*, as it splits any call it cannot follow (NOTE [split
@@ -16,7 +16,7 @@ nodes of the activation graph, with the model's module paths.
   decoder's blocks become units rather than the decoder (`chain.candidate_units`).
 - The model's own code is never checkpointed, and a unit only when it is called once per step and
   carries no hooks (a replay would run them again), so a checkpointed region is exactly one unit call.
-  `rewrite_units` (rewrite.py) wraps those units in checkpoint on a copy of the module tree along their
+  `rewrite_units` (rewrite/units.py) wraps those units in checkpoint on a copy of the module tree along their
   paths, sharing every parameter, buffer and untouched submodule with the model.
 """
 

@@ -1,7 +1,7 @@
 """`torch.compile(plan.module)` trains with the original's gradients on the CPU (inductor).
 
 Under torch.compile the checkpointed regions become checkpoint higher-order ops whose replay
-AOTAutograd plans (see NOTE [torch.compile] in planner/rewrite.py). Compiling takes tens of seconds
+AOTAutograd plans (see NOTE [torch.compile] in planner/rewrite/emit.py). Compiling takes tens of seconds
 on a small CPU, so one small model is compiled: the in-place MLP, captured by torch.export, whose plan
 has a checkpointed region. Inductor fuses and reorders floating-point work, hence a tolerance.
 """

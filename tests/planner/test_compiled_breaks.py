@@ -1,5 +1,5 @@
 """Compiled plans of steps dynamo breaks into several graphs (NOTE [graph breaks], [eager draws] in
-planner/compiled_split.py; NOTE [checkpointed breaks] in planner/rewrite.py), on untraceable_mlp and
+planner/compiled_split.py; NOTE [checkpointed breaks] in planner/rewrite/emit.py), on untraceable_mlp and
 on models not built for them: a residual MLP and convolution blocks whose block checks its output for
 NaN (a data-dependent branch), and a root neither fx nor torch.export traces. Also the checked
 budget's refusal of a plan the last compilation measures over (NOTE [checked budget])."""
@@ -266,7 +266,7 @@ def _assert_updated_once(statistics: dict[str, torch.Tensor], expected: dict[str
 
 
 def test_a_checkpoint_around_a_graph_break_updates_batchnorm_statistics_once() -> None:
-    """NOTE [checkpointed breaks] in rewrite.py, on a model not built for it: dynamo gives up on a
+    """NOTE [checkpointed breaks] in rewrite/emit.py, on a model not built for it: dynamo gives up on a
     checkpoint whose code breaks its graph and runs it eagerly from the compiling branch, where the
     replay did not restore the buffers: the region holding the checked block and the one before it
     updated both BatchNorms' statistics twice (num_batches_tracked 2). Such a region now runs outside

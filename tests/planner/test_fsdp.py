@@ -8,7 +8,7 @@ does for its half). A forward pre-hook on each block's first submodule counts it
 blocks run twice (forward and replay), the others once.
 
 A plan whose module runs a captured graph cannot work under `fully_shard` (see NOTE [FSDP2] in
-rewrite.py); it must say so, as must `optimize` given a model that `fully_shard` already wraps. Those
+rewrite/emit.py); it must say so, as must `optimize` given a model that `fully_shard` already wraps. Those
 checks need only a one-rank process group.
 """
 

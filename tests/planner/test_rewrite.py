@@ -12,7 +12,7 @@ from planner.capture.chain import capture
 from planner.ir import Region, RegionPolicy, Schedule
 from planner.profiler.interpreter import build_activation_graph
 from planner.profiler.measurement import default_loss
-from planner.rewrite import CheckpointedRegion, planned_graph_of, rewrite
+from planner.rewrite.emit import CheckpointedRegion, planned_graph_of, rewrite
 from planner.testing.steps import assert_same_step, one_step
 from planner.zoo import build_model
 

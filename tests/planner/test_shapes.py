@@ -20,8 +20,8 @@ from torch import nn
 import planner
 from planner.capture.chain import Capture, GraphCall
 from planner.errors import LargerShapeWarning, format_bytes
-from planner.rewrite import CheckpointedRegion
-from planner.shapes import MANY_SHAPES, is_larger
+from planner.rewrite.emit import CheckpointedRegion
+from planner.rewrite.other_shapes import MANY_SHAPES, is_larger
 from planner.testing.steps import assert_same_step, one_step
 from planner.testing.zoo_real import ExampleCall, build_call
 from tests.planner.real_models import entries
@@ -215,7 +215,7 @@ def test_many_new_shapes_warn_that_each_costs_a_capture(monkeypatch: pytest.Monk
         return dispatch.profiled
 
     monkeypatch.setattr(GraphCall, "admits", lambda self, args, kwargs: False)
-    monkeypatch.setattr("planner.shapes.capture", capture_again)
+    monkeypatch.setattr("planner.rewrite.other_shapes.capture", capture_again)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for rows in range(2, MANY_SHAPES + 4):

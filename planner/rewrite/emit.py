@@ -20,7 +20,7 @@ columns by, and what accelerate and PEFT read). `gradient_checkpointing_enable()
 layer of checkpointing would replay regions twice and was not planned. Only in training with grad
 enabled does it run the planned graph; in eval or under `no_grad` it runs the model's own forward,
 since nothing is saved for backward there. Calls at other shapes than the example's run on the
-graph that admits them (planner/shapes.py).
+graph that admits them (planner/rewrite/other_shapes.py).
 
 NOTE [FSDP2]: the planned graph inlines the operations of the model's blocks and calls their leaf
 modules directly, so FSDP2's `fully_shard` hooks on a block (all-gather before its forward, reshard and
@@ -51,7 +51,7 @@ from planner.capture.chain import Capture
 from planner.errors import UnplannedStep, UnsupportedModel, format_bytes
 from planner.ir import ActivationGraph, Schedule, TrainingStep
 from planner.profiler.selective_cost import saved_when_kept
-from planner.shapes import CallDispatch, RegionNodes, regions_of
+from planner.rewrite.other_shapes import CallDispatch, RegionNodes, regions_of
 
 __all__ = [
     "CheckpointedRegion",
@@ -62,7 +62,6 @@ __all__ = [
     "planned_class",
     "planned_graph_of",
     "rewrite",
-    "rewrite_units",
     "with_checkpointed_units",
 ]
 
@@ -453,24 +452,12 @@ def rewrite(
     model: torch.nn.Module, captured: Capture, graph: ActivationGraph, schedule: Schedule
 ) -> torch.nn.Module:
     """A drop-in replacement for `model` that checkpoints as `schedule` (a schedule of `graph`, the
-    profiled graph of `captured`) says, at the example's shape and every other (planner/shapes.py)."""
+    profiled graph of `captured`) says, at the example's shape and every other
+    (planner/rewrite/other_shapes.py)."""
     dispatch = CallDispatch(model, captured, regions_of(graph, schedule), _split)
     planned = copy.copy(model)
     planned.__class__ = planned_class(type(model), runs_graph=True)
     object.__setattr__(planned, DISPATCH_ATTRIBUTE, dispatch)
-    return planned
-
-
-def rewrite_units(model: torch.nn.Module, graph: ActivationGraph, schedule: Schedule) -> torch.nn.Module:
-    """A copy of `model`'s module tree in which the checkpointed units run under checkpoint.
-
-    Only the modules on the paths to those units are copied (shallow: parameters, buffers and other
-    submodules stay the model's own); the root passes for the model's class (NOTE [drop-in]).
-    """
-    assert all(region.stop - region.start == 1 for region in schedule.checkpointed), "glue separates units"
-    paths = [graph.nodes[region.start].module_path for region in schedule.checkpointed]
-    planned = with_checkpointed_units(model, paths)
-    planned.__class__ = planned_class(type(model), runs_graph=False)
     return planned
 
 

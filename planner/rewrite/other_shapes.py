@@ -77,7 +77,7 @@ class RegionNodes:
     unit_path: str | None = None
     whole_calls: bool = False
     """Whether the region holds the whole of a split call: code FX could not trace, which torch.compile
-    may break its graph in (NOTE [checkpointed breaks] in planner/rewrite.py)."""
+    may break its graph in (NOTE [checkpointed breaks] in planner/rewrite/emit.py)."""
 
 
 def regions_of(graph: ActivationGraph, schedule: Schedule) -> list[RegionNodes]:
@@ -208,7 +208,7 @@ def _training(model: torch.nn.Module) -> Iterator[None]:
 
 
 Split = Callable[[fx.GraphModule, Sequence[RegionNodes]], fx.GraphModule]
-"""Fuses the regions of a captured graph into checkpointed calls (rewrite.py's `_split`)."""
+"""Fuses the regions of a captured graph into checkpointed calls (emit.py's `_split`)."""
 
 
 class CallDispatch:

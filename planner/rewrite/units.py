@@ -1,0 +1,32 @@
+"""The module level's rewrite: a model planned by its submodules, its checkpointed units wrapped one by one.
+
+Why it exists: a model neither torch.fx nor torch.export can capture, or one planned for FSDP, is planned
+by its submodules (capture/model_call.py), and its plan has no graph to fuse: each checkpointed region is
+exactly one unit call. `rewrite_units` wraps those units in checkpoint on a copy of the module tree along
+their paths, sharing every parameter, buffer and untouched submodule with the model, as
+`gradient_checkpointing_enable` does by hand, and the root passes for the model's class as emit.py's
+planned modules do (NOTE [drop-in]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from planner.ir import ActivationGraph, Schedule
+from planner.rewrite.emit import planned_class, with_checkpointed_units
+
+__all__ = ["rewrite_units"]
+
+
+def rewrite_units(model: torch.nn.Module, graph: ActivationGraph, schedule: Schedule) -> torch.nn.Module:
+    """A copy of `model`'s module tree in which the checkpointed units run under checkpoint.
+
+    Only the modules on the paths to those units are copied (shallow: parameters, buffers and other
+    submodules stay the model's own); the root passes for the model's class (NOTE [drop-in] in
+    emit.py).
+    """
+    assert all(region.stop - region.start == 1 for region in schedule.checkpointed), "glue separates units"
+    paths = [graph.nodes[region.start].module_path for region in schedule.checkpointed]
+    planned = with_checkpointed_units(model, paths)
+    planned.__class__ = planned_class(type(model), runs_graph=False)
+    return planned

@@ -44,8 +44,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint_sequential
 
-from planner.blocks import longest_block_stack
 from planner.profiler.measurement import default_loss
+from planner.report.blocks import longest_block_stack
 from planner.testing.steps import Variant, fresh_inputs, fresh_kwargs, variant_of
 
 __all__ = [

@@ -543,7 +543,7 @@ class Capacity:
         self, path: str | Path, *, memories_gib: Sequence[float] = CARD_MEMORIES_GIB, title: str | None = None
     ) -> Path:
         """Save the largest size against card memory, with and without checkpointing (needs matplotlib)."""
-        from planner.plots import plot_capacity
+        from planner.report.plots import plot_capacity
 
         points = [(int(gib * 2**30), *self.largest_for(int(gib * 2**30))) for gib in memories_gib]
         return plot_capacity(

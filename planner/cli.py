@@ -273,7 +273,7 @@ def _profile(
 
 
 def _infeasible(error: Any, graph: Any) -> NoReturn:
-    from planner.report import levers_at_lowest_peak, render_levers
+    from planner.report.summary import levers_at_lowest_peak, render_levers
 
     typer.echo(str(error), err=True)
     typer.echo("levers beyond checkpointing (estimates from the graph's bytes, not predictions):", err=True)
@@ -358,8 +358,8 @@ def pareto(
     quiet: QuietOption = False,
 ) -> None:
     """Peak against recompute over budgets, beside the usual baselines; optionally plotted."""
-    from planner import whatif
     from planner.errors import format_bytes
+    from planner.report import hand_checkpoints as whatif
 
     profiled = _profile(
         target,
@@ -388,7 +388,7 @@ def pareto(
         ]
         json_path.write_text(json.dumps(documents, indent=1))
     if plot is not None:
-        from planner.plots import plot_pareto
+        from planner.report.plots import plot_pareto
 
         plot_pareto(
             [(row.peak_bytes, row.overhead) for row in rows],

@@ -124,7 +124,7 @@ class Frontier:
 
     def plot(self, path: str | Path, *, budget_bytes: int | None = None) -> Path:
         """Save the frontier as a picture (.png, .svg, .pdf); needs matplotlib."""
-        from planner.plots import plot_pareto  # matplotlib only loads when a picture is asked for
+        from planner.report.plots import plot_pareto  # matplotlib only loads when a picture is asked for
 
         return plot_pareto(self.peaks_and_overheads(), path, budget_bytes=budget_bytes)
 

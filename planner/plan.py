@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from planner.export import hf_kwargs, torch_snippet
 from planner.ir import Schedule, TrainingStep
-from planner.report import render_summary
+from planner.report.export import hf_kwargs, torch_snippet
+from planner.report.summary import render_summary
 from planner.simulation.reserved import memory_snapshot, write_snapshot
 from planner.solvers.solved_plan import SolvedPlan
 
 if TYPE_CHECKING:
     import torch
 
-    from planner.plots import MeasuredSeries
     from planner.profiler.measurement import OptimizerSpec
+    from planner.report.plots import MeasuredSeries
 
 __all__ = ["Plan", "ProfiledStep", "StepSettings"]
 
@@ -110,14 +110,15 @@ class Plan(SolvedPlan):
 
     def compare(self, eager: Plan) -> str:
         """For a plan made with `compile=True`: where it differs from `eager`, a plan of the same model
-        for the eager step, and why (see `compare_plans` in report.py)."""
-        from planner.report import compare_plans
+        for the eager step, and why (see `compare_plans` in report/summary.py)."""
+        from planner.report.summary import compare_plans
 
         return compare_plans(self, eager)
 
     def plot_timeline(self, path: str | Path, *, measured: MeasuredSeries | None = None) -> Path:
-        """Save a plot of live memory over the step, with and without the plan (see planner/plots.py)."""
-        from planner.plots import plot_timeline
+        """Save a plot of live memory over the step, with and without the plan (see
+        planner/report/plots.py)."""
+        from planner.report.plots import plot_timeline
 
         return plot_timeline(self, path, measured=measured)
 

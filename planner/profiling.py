@@ -43,7 +43,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from planner.blocks import longest_block_stack
 from planner.capture.chain import Capture, call_shapes, candidate_units, capture
 from planner.capture.model_call import capture_model_call
 from planner.errors import GIB, LargerShapeWarning, UnsupportedModel, format_bytes
@@ -54,6 +53,7 @@ from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.interpreter import LOSS_NODE, build_activation_graph
 from planner.profiler.measurement import OptimizerSpec, default_loss, tensors_in
 from planner.profiler.sharding import Sharding, shard_graph
+from planner.report.blocks import longest_block_stack
 from planner.rewrite.emit import (
     AUTOCAST_DEVICES,
     add_forward_pre_hook,

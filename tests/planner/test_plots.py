@@ -8,7 +8,7 @@ import pytest
 
 from planner.ir import Phase, Region, RegionPolicy, Schedule
 from planner.plan import Plan
-from planner.plots import (
+from planner.report.plots import (
     capacity_figure,
     pareto_figure,
     plot_pareto,

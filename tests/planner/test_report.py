@@ -11,9 +11,9 @@ import pytest
 
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
-from planner.naming import describe_region, is_module_aligned, module_cover, python_path, sibling_run
 from planner.plan import Plan
-from planner.report import (
+from planner.report.naming import describe_region, is_module_aligned, module_cover, python_path, sibling_run
+from planner.report.summary import (
     COMPONENT_LABELS,
     FORWARD_BACKWARD,
     OPTIMIZER_STEP,

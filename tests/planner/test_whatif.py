@@ -7,12 +7,10 @@ import dataclasses
 
 import pytest
 
-from planner.blocks import main_container, numbered_containers
 from planner.ir import RegionPolicy, Schedule
 from planner.plan import Plan
-from planner.simulation.step import simulate
-from planner.testing.synthetic_graphs import chain_graph
-from planner.whatif import (
+from planner.report.blocks import main_container, numbered_containers
+from planner.report.hand_checkpoints import (
     baselines,
     compare,
     each_block,
@@ -21,6 +19,8 @@ from planner.whatif import (
     render_comparison,
     whole_model,
 )
+from planner.simulation.step import simulate
+from planner.testing.synthetic_graphs import chain_graph
 
 GRAPH = chain_graph([8] * 12)
 BODY = len(GRAPH.nodes) - 1  # the loss node after the model cannot be checkpointed

@@ -36,7 +36,7 @@ from planner.ir import (
     Schedule,
     SimulationResult,
 )
-from planner.naming import describe_region, display_module
+from planner.report.naming import describe_region, display_module
 from planner.simulation.step import selective_overhead_ms, simulate, store_everything
 from planner.solvers import lowest_peak
 
@@ -512,7 +512,8 @@ def render_summary(plan: SolvedPlan) -> str:
                 initial_indent="  ",
                 subsequent_indent="    ",
             ),
-            "  next levers (estimates from the graph's bytes, not predictions; see planner/report.py):",
+            "  next levers (estimates from the graph's bytes, not predictions; "
+            "see planner/report/summary.py):",
             *render_levers(
                 estimate_levers(
                     components,

@@ -21,9 +21,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from planner.blocks import block_spans, main_container, numbered_containers
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule, merge_stored
+from planner.report.blocks import block_spans, main_container, numbered_containers
 from planner.simulation.step import CheckpointRule, simulate
 
 __all__ = [

@@ -3,7 +3,7 @@
 Why it exists: not everyone can ship `plan.module` (a rewritten module); some train a Hugging Face
 model whose own `gradient_checkpointing_enable` is the only switch they may touch, others want the
 plan in their own forward, reviewed like any other code. Both exports are derived from the plan's
-regions in the model's module names (see planner/naming.py), and both refuse, with the reason, what
+regions in the model's module names (see planner/report/naming.py), and both refuse, with the reason, what
 they cannot express instead of emitting something that is not the plan.
 
 Torch-free: the snippet is text.
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from planner.blocks import block_number, block_numbers
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Region
-from planner.naming import (
+from planner.report.blocks import block_number, block_numbers
+from planner.report.naming import (
     describe_region,
     display_module,
     is_module_aligned,

@@ -18,7 +18,6 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from api.jobs import Job, JobError, JobStatus
-from planner.graph_api import Frontier
 from planner.ir import (
     GRAPH_SCHEMA,
     PLAN_SCHEMA,
@@ -30,6 +29,7 @@ from planner.ir import (
     StaticBytes,
     TrainingStep,
 )
+from planner.planning.graph import Frontier
 from planner.serialize import schedule_to_dict
 from planner.simulation.allocator import AllocatorSettings
 from planner.solvers import SOLVERS

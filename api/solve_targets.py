@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from api.schemas import ParetoView
-from planner.graph_api import pareto_frontier, plan_graph
+from planner.planning.graph import pareto_frontier, plan_graph
 from planner.serialize import graph_from_dict
 from planner.simulation.allocator import AllocatorSettings
 

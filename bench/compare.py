@@ -141,8 +141,8 @@ from bench.peers import (
 from planner import zoo
 from planner.compiled import plan_compiled_step
 from planner.compiled_step import log_methods as planner_log_methods
-from planner.graph_api import plan_graph
 from planner.ir import TrainingStep
+from planner.planning.graph import plan_graph
 from planner.profiler.measurement import AllocatorPhases, default_loss, storage_bytes, tensors_in
 from planner.testing.steps import (
     StepRecord,

@@ -30,14 +30,14 @@ from planner.errors import (
     UnsupportedModel,
 )
 from planner.ir import TrainingStep
-from planner.plan import Plan
+from planner.planning.plan import Plan
 
 if TYPE_CHECKING:
     from planner.capacity_search import Capacity, capacity
-    from planner.graph_api import plan_graph
+    from planner.one_call import measure, optimize, pareto
+    from planner.planning.graph import plan_graph
+    from planner.planning.model import Profile, profile
     from planner.profiler.measurement import MeasuredStep
-    from planner.profiling import Profile, profile
-    from planner.torch_api import measure, optimize, pareto
 
 __all__ = [
     "Capacity",
@@ -61,12 +61,12 @@ __all__ = [
 ]
 
 _LAZY = {
-    "optimize": "planner.torch_api",
-    "measure": "planner.torch_api",
-    "pareto": "planner.torch_api",
-    "plan_graph": "planner.graph_api",
-    "profile": "planner.profiling",
-    "Profile": "planner.profiling",
+    "optimize": "planner.one_call",
+    "measure": "planner.one_call",
+    "pareto": "planner.one_call",
+    "plan_graph": "planner.planning.graph",
+    "profile": "planner.planning.model",
+    "Profile": "planner.planning.model",
     "MeasuredStep": "planner.profiler.measurement",
     "capacity": "planner.capacity_search",
     "Capacity": "planner.capacity_search",

@@ -38,10 +38,11 @@ import torch
 
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, CostModel, MemoryCounting, SimulationResult, TrainingStep
-from planner.plan import Plan
+from planner.one_call import optimize
+from planner.planning.model import budget_bytes_of, memory_counting_of, profile, training_step_of
+from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.measurement import OptimizerSpec, tensors_in
-from planner.profiling import budget_bytes_of, memory_counting_of, profile, training_step_of
 from planner.rescale import FIT_SIZES, GraphFamily, NotRescalable
 from planner.simulation.step import for_training_step, simulate, store_everything
 from planner.sizing import (
@@ -56,7 +57,6 @@ from planner.sizing import (
     weigh,
 )
 from planner.solvers import lowest_peak, solve
-from planner.torch_api import optimize
 
 __all__ = ["CARD_MEMORIES_GIB", "Capacity", "ProgressCallback", "capacity"]
 

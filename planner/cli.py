@@ -560,7 +560,7 @@ def report(
     memory_snapshot: MemorySnapshotOption = None,
 ) -> None:
     """Print the report of a saved plan (no torch needed)."""
-    from planner.plan import Plan
+    from planner.planning.plan import Plan
 
     try:
         loaded = Plan.from_json(plan_path.read_text())

@@ -25,16 +25,16 @@ import httpx
 
 from planner.errors import InfeasibleBudget, ServiceError
 from planner.ir import ActivationGraph, BudgetKind, TrainingStep, breakdown_from
-from planner.plan import Plan
+from planner.planning.plan import Plan
 from planner.serialize import graph_to_dict, schedule_from_dict
 from planner.simulation.allocator import AllocatorSettings
 
 if TYPE_CHECKING:
     import torch
 
+    from planner.planning.model import Profile
     from planner.profiler.cost_model import DeviceSpec
     from planner.profiler.measurement import OptimizerSpec
-    from planner.profiling import Profile
 
 __all__ = ["PlannerClient"]
 
@@ -141,7 +141,7 @@ class PlannerClient:
     ) -> Plan:
         """`profile.plan(...)`, with the solve done by the service: the profile's graph is posted and
         the model rewritten here with the schedule that comes back."""
-        from planner.profiling import budget_bytes_of
+        from planner.planning.model import budget_bytes_of
 
         budget = budget_bytes_of(budget_gb, budget_bytes)
         return profile.apply(self.plan_graph(profile.graph, budget_bytes=budget, solver=solver))
@@ -172,9 +172,9 @@ class PlannerClient:
         achievable peak). `compile=True` is refused: the compiled step is planned inside inductor's
         partitioner, in the process that compiles (planner/compiled.py)."""
         # Imported here so that `plan_graph` works where torch is not installed.
-        from planner.profiling import profile
+        from planner.one_call import allocator_settings_of, budget_and_card, on_card
+        from planner.planning.model import profile
         from planner.solvers import check_solver
-        from planner.torch_api import allocator_settings_of, budget_and_card, on_card
 
         budget, card = budget_and_card(budget_gb, budget_bytes, device)
         check_solver(solver)

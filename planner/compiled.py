@@ -108,9 +108,9 @@ from planner.compiled_step import (
     split_text,
 )
 from planner.errors import UnsupportedModel
-from planner.graph_api import plan_graph
 from planner.ir import StaticBytes, TrainingStep
-from planner.plan import Plan
+from planner.planning.graph import plan_graph
+from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.measurement import (
     LiveStorageTracker,

@@ -70,9 +70,9 @@ from planner.compiled_step import (
 )
 from planner.errors import InfeasibleBudget
 from planner.ir import GLUE_OP, ActivationGraph, BudgetKind, TrainingStep
-from planner.plan import Plan
+from planner.planning.model import Profile, profile
+from planner.planning.plan import Plan
 from planner.profiler.measurement import OptimizerSpec, current_counting
-from planner.profiling import Profile, profile
 from planner.solvers.solved_plan import CompiledStep
 
 __all__ = [

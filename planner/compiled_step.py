@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from planner.errors import InfeasibleBudget, PlannerError, format_bytes
-from planner.plan import Plan
+from planner.planning.plan import Plan
 from planner.profiler.measurement import AllocatorPhases, end_autocast_forward, tensors_in
 
 log = logging.getLogger(__name__)

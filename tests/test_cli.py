@@ -11,7 +11,7 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from planner.cli import EXIT_BAD_INPUT, EXIT_INFEASIBLE, app, parse_budget
-from planner.plan import Plan
+from planner.planning.plan import Plan
 
 MIB = 2**20
 MODEL_FILE = """

@@ -37,6 +37,8 @@ STAGES: dict[str, int] = {
     "solvers": 4,  # ActivationGraph -> Schedule, without torch
     "rewrite": 5,  # Schedule -> checkpointed module
     "report": 6,  # a solved plan explained: text, pictures, code, hand checkpoints
+    "planning": 7,  # the pipeline put together: Plan, plan_graph and the frontier, profile and Profile
+    "one_call": 9,  # optimize, pareto, measure
     "client": 11,  # the entry points
     "cli": 11,
     "demo": 11,
@@ -83,8 +85,8 @@ def absolute_base(node: ast.ImportFrom, package: str) -> str:
 def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """Every module of ours that module `name` imports, wherever the import stands (NOTE [every import
     counts]). `from planner.report import naming` counts as an import of planner.report.naming, and `from
-    planner.plan import Plan` as one of planner.plan (not of the packages above it, whose `__init__` also
-    runs)."""
+    planner.planning.plan import Plan` as one of planner.planning.plan (not of the packages above it,
+    whose `__init__` also runs)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str | None] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):

@@ -2,10 +2,10 @@
 
 Why it exists: a plan is data (the graph, the schedule, the budget, what the simulator predicts of them,
 the JSON form `planner.plan/v1`), and it is also shown: summarised, plotted, turned into code to apply by
-hand. The report, plots and export read a plan's data, and `planner.Plan` (planner/plan.py) calls them
-from its methods; with one class for both, each side imported the other. This is the data side. The
-report, plots and export take a SolvedPlan, and `Plan` subclasses it with the methods that show it or
-solve it again, so the imports between them point one way (tests/test_layout.py).
+hand. The report, plots and export read a plan's data, and `planner.Plan` (planner/planning/plan.py)
+calls them from its methods; with one class for both, each side imported the other. This is the data
+side. The report, plots and export take a SolvedPlan, and `Plan` subclasses it with the methods that show
+it or solve it again, so the imports between them point one way (tests/test_layout.py).
 
 Every figure is a prediction of the simulator; nothing here imports torch, so the service and the CLI
 load, save and report plans without it.

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 import planner.client
 from planner.client import PlannerClient
 from planner.errors import InfeasibleBudget, ServiceError
-from planner.graph_api import plan_graph
+from planner.planning.graph import plan_graph
 from planner.serialize import schedule_to_dict
 from tests.api.service_helpers import middle_budget, small_graph
 

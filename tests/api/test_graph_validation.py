@@ -8,8 +8,8 @@ import math
 import pytest
 
 from planner.errors import InvalidGraph
-from planner.graph_api import frontier_budgets, pareto_frontier
 from planner.ir import ActivationGraph
+from planner.planning.graph import frontier_budgets, pareto_frontier
 from planner.testing.synthetic_graphs import residual_graph
 from planner.validate import MAX_PROBLEMS, validate_graph
 from tests.api.service_helpers import small_graph

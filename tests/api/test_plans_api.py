@@ -19,7 +19,7 @@ from api.main import create_app
 from api.settings import Settings
 from api.worker import JobRunner, WorkerPool
 from planner.ir import Node
-from planner.plan import Plan
+from planner.planning.plan import Plan
 from planner.serialize import graph_to_dict
 from tests.api.service_helpers import middle_budget, plan_body, small_graph
 

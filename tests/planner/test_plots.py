@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from planner.ir import Phase, Region, RegionPolicy, Schedule
-from planner.plan import Plan
+from planner.planning.plan import Plan
 from planner.report.plots import (
     capacity_figure,
     pareto_figure,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import planner
-from planner.graph_api import plan_graph
+from planner.planning.graph import plan_graph
 from planner.testing.steps import assert_same_step, one_step
 from planner.testing.zoo_real import build_call
 from planner.zoo import build_model
@@ -79,7 +79,7 @@ def test_bad_arguments_fail_before_profiling(monkeypatch: pytest.MonkeyPatch) ->
     def no_profiling(*args: object, **kwargs: object) -> None:
         raise AssertionError("profiled before checking the arguments")
 
-    monkeypatch.setattr("planner.torch_api.profile", no_profiling)
+    monkeypatch.setattr("planner.one_call.profile", no_profiling)
     with pytest.raises(ValueError, match="solver='magic'"):
         planner.optimize(model, inputs, budget_gb=1, solver="magic")
     with pytest.raises(ValueError, match="exactly one of budget_gb"):
@@ -91,7 +91,7 @@ def test_bad_arguments_fail_before_profiling(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_profile_and_Profile_stay_public_after_their_module_loads() -> None:
-    import planner.profiling  # noqa: F401
+    import planner.planning.model  # noqa: F401
 
-    assert callable(planner.profile) and planner.profile.__module__ == "planner.profiling"
+    assert callable(planner.profile) and planner.profile.__module__ == "planner.planning.model"
     assert isinstance(planner.Profile, type)

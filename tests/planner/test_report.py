@@ -11,7 +11,7 @@ import pytest
 
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
-from planner.plan import Plan
+from planner.planning.plan import Plan
 from planner.report.naming import describe_region, is_module_aligned, module_cover, python_path, sibling_run
 from planner.report.summary import (
     COMPONENT_LABELS,

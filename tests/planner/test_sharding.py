@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import planner
-from planner.profiling import fsdp_unit_bytes
+from planner.planning.model import fsdp_unit_bytes
 from planner.testing.zoo_real import build_call
 from planner.zoo import build_model
 

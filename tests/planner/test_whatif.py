@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from planner.ir import RegionPolicy, Schedule
-from planner.plan import Plan
+from planner.planning.plan import Plan
 from planner.report.blocks import main_container, numbered_containers
 from planner.report.hand_checkpoints import (
     baselines,

@@ -1,8 +1,8 @@
 """`optimize`, `pareto` and `measure`: the torch side of the public API (imported lazily by `planner`).
 
-`optimize` and `pareto` are `planner.profile` (profiling.py) followed by one solve or many; the
+`optimize` and `pareto` are `planner.profile` (planning/model.py) followed by one solve or many; the
 arguments are checked before the profiling run, so a bad budget or solver name costs none. The
-torch-free counterpart, for a graph captured elsewhere, is graph_api.py (`plan_graph`).
+torch-free counterpart, for a graph captured elsewhere, is planning/graph.py (`plan_graph`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,16 @@ from typing import Any
 
 import torch
 
-from planner.graph_api import Frontier
 from planner.ir import BudgetKind, TrainingStep
-from planner.plan import Plan
+from planner.planning.graph import Frontier
+from planner.planning.model import (
+    budget_bytes_of,
+    example_call,
+    memory_counting_of,
+    profile,
+    training_step_of,
+)
+from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.measurement import (
     MeasuredStep,
@@ -24,7 +31,6 @@ from planner.profiler.measurement import (
     default_loss,
     measure_step,
 )
-from planner.profiling import budget_bytes_of, example_call, memory_counting_of, profile, training_step_of
 from planner.simulation.allocator import AllocatorSettings
 from planner.solvers import check_solver
 

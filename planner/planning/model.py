@@ -46,9 +46,9 @@ from torch.utils._pytree import tree_map
 from planner.capture.chain import Capture, call_shapes, candidate_units, capture
 from planner.capture.model_call import capture_model_call
 from planner.errors import GIB, LargerShapeWarning, UnsupportedModel, format_bytes
-from planner.graph_api import Frontier, pareto_frontier, plan_graph
 from planner.ir import GLUE_OP, ActivationGraph, BudgetKind, CostModel, MemoryCounting, Schedule, TrainingStep
-from planner.plan import Plan
+from planner.planning.graph import Frontier, pareto_frontier, plan_graph
+from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.interpreter import LOSS_NODE, build_activation_graph
 from planner.profiler.measurement import OptimizerSpec, default_loss, tensors_in

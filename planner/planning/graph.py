@@ -19,7 +19,7 @@ from pathlib import Path
 
 from planner.errors import InfeasibleBudget
 from planner.ir import ActivationGraph, BudgetKind, MemoryCounting, Schedule, SimulationResult
-from planner.plan import Plan
+from planner.planning.plan import Plan
 from planner.simulation.allocator import AllocatorSettings
 from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak, solve

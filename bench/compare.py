@@ -13,8 +13,8 @@ eager
 compiled (`torch.compile`, inductor)
     `torch._functorch.config.activation_memory_budget` at several fractions (1.0 is compiled no
     checkpointing); our `dp` and `ilp` plans of the compiled step (`planner.optimize(..., compile=True)`,
-    planner/compiled.py) with each fraction's measured peak as the budget. Both sides are compiled, so
-    compile speed-ups bias neither.
+    planner/compiled/optimize.py) with each fraction's measured peak as the budget. Both sides are
+    compiled, so compile speed-ups bias neither.
 
 For every row: the measured peak of two Adam training steps, whether it respected the budget it was
 given, the step-time ratio against no checkpointing of the same mode (median over interleaved rounds,
@@ -66,8 +66,8 @@ NOTE [log calls]: a log call inside a compiled forward splits the graph (dynamo 
 `logging`), and Hugging Face's GPT-2 logs a one-time warning when it computes its loss
 (`loss_type=None`). Every compiled variant is compiled with dynamo's `ignore_logger_methods` set to the
 logging methods, so that the step is one graph for the peers and for our plans alike (planning the
-compiled step needs one graph: NOTE [graph breaks] in planner/compiled_split.py); the warning then shows only
-from eager runs.
+compiled step needs one graph: NOTE [graph breaks] in planner/compiled/split_step.py); the warning then
+shows only from eager runs.
 
 Run from the repository root (two models at a time by default, `--jobs`; see `DEFAULT_JOBS`):
 
@@ -139,8 +139,8 @@ from bench.peers import (
     sqrt_segments_peer,
 )
 from planner import zoo
-from planner.compiled import plan_compiled_step
-from planner.compiled_step import log_methods as planner_log_methods
+from planner.compiled.optimize import plan_compiled_step
+from planner.compiled.step import log_methods as planner_log_methods
 from planner.ir import TrainingStep
 from planner.planning.graph import plan_graph
 from planner.profiler.measurement import AllocatorPhases, default_loss, storage_bytes, tensors_in

@@ -1,8 +1,8 @@
 """Compile time of a planned model (`planner.optimize(..., compile=True)`) beside `torch.compile`'s own.
 
-Why it exists: planning the compiled step happens inside the compile (planner/compiled.py), so its cost
-is paid every time a model is compiled; the issue's bound is that planning must not more than double
-the compile. Each measurement runs in a fresh interpreter with an empty inductor cache directory and
+Why it exists: planning the compiled step happens inside the compile (planner/compiled/optimize.py), so
+its cost is paid every time a model is compiled; the issue's bound is that planning must not more than
+double the compile. Each measurement runs in a fresh interpreter with an empty inductor cache directory and
 inductor's FX-graph and AOT-autograd caches off, so every kernel is generated and built again (cold):
 
 - torch.compile: `torch.compile(model)`, then the first forward and backward on the example inputs,
@@ -44,7 +44,7 @@ import planner
 from bench.compare import MODELS, build_example, log_methods
 from bench.docs_tables import refresh_quotes
 from bench.peers import machine, planner_revision
-from planner.compiled import plan_compiled_step
+from planner.compiled.optimize import plan_compiled_step
 from planner.errors import UnsupportedModel
 from planner.ir import TrainingStep
 from planner.profiler.measurement import default_loss

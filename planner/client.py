@@ -170,7 +170,7 @@ class PlannerClient:
         """`planner.optimize`, with the solve done by the service: the same arguments, checked the same
         way before profiling, and the same errors (`InfeasibleBudget` carries the service's lowest
         achievable peak). `compile=True` is refused: the compiled step is planned inside inductor's
-        partitioner, in the process that compiles (planner/compiled.py)."""
+        partitioner, in the process that compiles (planner/compiled/optimize.py)."""
         # Imported here so that `plan_graph` works where torch is not installed.
         from planner.one_call import allocator_settings_of, budget_and_card, on_card
         from planner.planning.model import profile

@@ -63,7 +63,7 @@ def optimize(
     With `compile=True` the step planned is the one `torch.compile` (inductor) runs, and `plan.module`
     is the compiled model: the planner reads the joint graph inductor's partitioner receives, chooses
     what the compiled forward saves and what its backward recomputes, and installs that choice in the
-    partitioner (compiled.py). Per-node times are then analytic (`device`, default the model's).
+    partitioner (compiled/optimize.py). Per-node times are then analytic (`device`, default the model's).
 
     For data-parallel training over `world_size` ranks, pass the per-rank example batch and
     `sharding="ddp"` (replicated state plus DDP's gradient buckets) or `"fsdp"` (state split across
@@ -173,8 +173,8 @@ def _optimize_compiled(
     device: str | DeviceSpec | None,
     world_size: int,
 ) -> Plan:
-    """`optimize(..., compile=True)`: the compiled step (compiled.py), one rank."""
-    from planner.compiled import optimize_compiled
+    """`optimize(..., compile=True)`: the compiled step (compiled/optimize.py), one rank."""
+    from planner.compiled.optimize import optimize_compiled
 
     if world_size != 1:
         raise ValueError(

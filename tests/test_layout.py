@@ -38,6 +38,7 @@ STAGES: dict[str, int] = {
     "rewrite": 5,  # Schedule -> checkpointed module
     "report": 6,  # a solved plan explained: text, pictures, code, hand checkpoints
     "planning": 7,  # the pipeline put together: Plan, plan_graph and the frontier, profile and Profile
+    "compiled": 8,  # compile=True: the step torch.compile runs, planned inside inductor
     "one_call": 9,  # optimize, pareto, measure
     "client": 11,  # the entry points
     "cli": 11,

@@ -164,7 +164,7 @@ class Lever:
 
 def _eager_draw_rows(compiled: CompiledStep) -> list[str]:
     """Which whole calls of a split step a plan keeps from checkpointing, or checkpoints all the same
-    (NOTE [eager draws] in compiled_split.py)."""
+    (NOTE [eager draws] in compiled/split_step.py)."""
     checkpointed = compiled.checkpointed_draw_calls
     if checkpointed:
         return [

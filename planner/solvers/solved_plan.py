@@ -41,7 +41,7 @@ class RegionSummary:
 
 @dataclass(frozen=True)
 class CompiledStep:
-    """Facts of a plan made for the compiled step (`optimize(..., compile=True)`, compiled.py)."""
+    """Facts of a plan made for the compiled step (`optimize(..., compile=True)`, compiled/optimize.py)."""
 
     compile_s: float
     """Seconds `optimize` spent planning and compiling, every attempt included."""
@@ -59,11 +59,11 @@ class CompiledStep:
     graph_breaks: str = ""
     """Why dynamo broke the step's graph, where it did: the plan was then made on the eager step and
     compiled as it is, and only the measured peak describes the compiled step (NOTE [graph breaks] in
-    compiled_split.py)."""
+    compiled/split_step.py)."""
     eager_draw_calls: tuple[str, ...] = ()
     """Module paths of a split step's calls that fx could not trace and that draw random numbers: the
     plan checkpoints one whole only where nothing else fits, since that checkpoint runs eagerly and
-    draws other numbers than the compiled step (NOTE [eager draws] in compiled_split.py)."""
+    draws other numbers than the compiled step (NOTE [eager draws] in compiled/split_step.py)."""
     checkpointed_draw_calls: tuple[str, ...] = ()
     """Of `eager_draw_calls`, those the plan checkpoints whole all the same: no plan without them fit
     the budget."""

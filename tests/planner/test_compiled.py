@@ -25,8 +25,8 @@ import torch
 
 import planner
 from planner import zoo
-from planner.compiled import plan_compiled_step
-from planner.compiled_step import lowered_budget_bytes
+from planner.compiled.optimize import plan_compiled_step
+from planner.compiled.step import lowered_budget_bytes
 from planner.ir import TrainingStep
 from planner.profiler.measurement import AllocatorPhases, LiveStorageTracker, default_loss
 from planner.testing.zoo_real import build_call
@@ -131,7 +131,7 @@ class _LogitsAndLoss(_Logits):
 
 
 def test_saved_logits_that_the_forward_also_returns_are_held_through_the_backward() -> None:
-    """NOTE [saved outputs] in compiled_graph.py: the logits are saved for the loss's backward and
+    """NOTE [saved outputs] in compiled/joint_graph.py: the logits are saved for the loss's backward and
     returned, so the backward can neither free nor reuse them, nor reuse the zero gradient autograd
     makes for the unused logits. The model let it reuse both and predicted a logits buffer (26 %) low."""
     torch.manual_seed(0)
@@ -167,7 +167,7 @@ class _TiedLoss(torch.nn.Module):
 
 
 def test_a_tied_head_holds_the_logits_gradient_until_its_weight_gradient_is_summed() -> None:
-    """NOTE [addmm] in compiled_fusion.py: inductor folds the head's weight gradient into the add that
+    """NOTE [addmm] in compiled/fusion.py: inductor folds the head's weight gradient into the add that
     sums it with the embedding's, at the end of the backward, so the logits' gradient lives until
     then. The lowest plan was predicted 2 MiB (that gradient) below what it measured, could not be
     planned at its own lowest peak, and GPT-2's plans measured over their budgets."""
@@ -323,9 +323,9 @@ def test_no_compiled_peer_measures_below_the_lowest_peak_we_plan() -> None:
 
 
 def test_recomputes_of_two_regions_are_not_fused_into_one_step() -> None:
-    """NOTE [horizontal fusion] in compiled.py: GPT-2's two attention recomputes read the same mask and
-    seeds, inductor fused them horizontally, and the later layer's recompute ran with the earlier one's:
-    a plan predicted at 3.28 MiB measured 3.79 MiB (15 % over)."""
+    """NOTE [horizontal fusion] in compiled/optimize.py: GPT-2's two attention recomputes read the same
+    mask and seeds, inductor fused them horizontally, and the later layer's recompute ran with the earlier
+    one's: a plan predicted at 3.28 MiB measured 3.79 MiB (15 % over)."""
     call = build_call("hf_gpt2")
     reference = plan_compiled_step(
         call.model, call.args, call.kwargs, budget_bytes=HUGE_BUDGET_BYTES, optimizer="adam",

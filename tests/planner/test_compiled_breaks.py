@@ -1,5 +1,5 @@
 """Compiled plans of steps dynamo breaks into several graphs (NOTE [graph breaks], [eager draws] in
-planner/compiled_split.py; NOTE [checkpointed breaks] in planner/rewrite/emit.py), on untraceable_mlp and
+planner/compiled/split_step.py; NOTE [checkpointed breaks] in planner/rewrite/emit.py), on untraceable_mlp and
 on models not built for them: a residual MLP and convolution blocks whose block checks its output for
 NaN (a data-dependent branch), and a root neither fx nor torch.export traces. Also the checked
 budget's refusal of a plan the last compilation measures over (NOTE [checked budget])."""
@@ -19,9 +19,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 import planner
 from planner import zoo
-from planner.compiled import plan_compiled_step
-from planner.compiled_split import compiled_pieces
-from planner.compiled_step import ExampleStep, raise_if_over
+from planner.compiled.optimize import plan_compiled_step
+from planner.compiled.split_step import compiled_pieces
+from planner.compiled.step import ExampleStep, raise_if_over
 from planner.ir import TrainingStep
 from planner.profiler.measurement import default_loss
 from tests.planner.compiled_steps import GRADIENT_RTOL, HUGE_BUDGET_BYTES, SEED, compiled_gradients
@@ -189,7 +189,7 @@ def _checked_residual_mlp() -> tuple[torch.nn.Module, tuple[Any, ...]]:
 
 
 def test_a_checkpoint_around_a_graph_break_is_planned_only_where_nothing_else_fits() -> None:
-    """NOTE [eager draws] in compiled_split.py, on a model not built for it: a checkpoint of the block
+    """NOTE [eager draws] in compiled/split_step.py, on a model not built for it: a checkpoint of the block
     dynamo breaks in runs eagerly, and its eager dropout drew other masks than compiled no
     checkpointing (loss 5819.75 against 5857.53 at 0.1 of the range). Its whole call is planned only
     below the lowest peak without it; above that the plan trains exactly as compiled no checkpointing."""

@@ -14,7 +14,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import planner
-from planner.kernel_scratch import scratch_bytes
+from planner.compiled.kernel_scratch import scratch_bytes
 
 PREDICTION_TOLERANCE = 0.01
 HUGE_BUDGET_BYTES = 2**40

@@ -1,4 +1,4 @@
-"""NOTE [horizontal fusion] in planner/compiled.py: which horizontal fusions the planner refuses.
+"""NOTE [horizontal fusion] in planner/compiled/optimize.py: which horizontal fusions the planner refuses.
 
 A refusal keeps a replay in the backward step the plan runs it in (GPT-2's two attention recomputes,
 fused, ran at once: tests/planner/test_compiled.py measures that case). Refusing more than that costs
@@ -15,7 +15,7 @@ import pytest
 from torch._inductor.choices import InductorChoices
 from torch._inductor.virtualized import V
 
-from planner.compiled import CompiledPlanning, _PlannedFusion
+from planner.compiled.optimize import CompiledPlanning, _PlannedFusion
 
 
 @dataclass(frozen=True)

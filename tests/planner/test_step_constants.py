@@ -1,4 +1,4 @@
-"""NOTE [step constants] in planner/compiled_groups.py: values of the compiled step that depend on no
+"""NOTE [step constants] in planner/compiled/groups.py: values of the compiled step that depend on no
 gradient (a causal mask compared from positions, a cos table) are materialised once in a front node
 that is never checkpointed, so no plan rebuilds them inside recomputed kernels; fills stay inlined.
 
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import planner
-from planner.compiled import plan_compiled_step
-from planner.compiled_groups import SEEDS_NODE
+from planner.compiled.groups import SEEDS_NODE
+from planner.compiled.optimize import plan_compiled_step
 from planner.ir import ActivationGraph, MemoryCounting, TrainingStep
 from planner.profiler.interpreter import LOSS_NODE
 from planner.profiler.measurement import default_loss

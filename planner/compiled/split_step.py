@@ -1,6 +1,6 @@
 """A training step dynamo splits, planned eagerly and compiled as planned (NOTE [graph breaks]).
 
-Why it exists: `optimize(..., compile=True)` plans the one joint graph AOT autograd builds (compiled.py).
+Why it exists: `optimize(..., compile=True)` plans the one joint graph AOT autograd builds (optimize.py).
 A step dynamo splits has no such graph; this module plans it the way that still keeps the budget.
 
 NOTE [graph breaks]: where dynamo breaks the step's graph (data-dependent control flow, a call it
@@ -59,7 +59,7 @@ import torch
 from torch._functorch import partitioners
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from planner.compiled_step import (
+from planner.compiled.step import (
     MAX_ATTEMPTS,
     ExampleStep,
     checked_peak_bytes,

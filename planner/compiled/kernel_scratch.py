@@ -1,7 +1,7 @@
 """Scratch memory an extern kernel allocates inside one call, measured once per operator signature.
 
 Why it exists: the joint graph of a compiled step shows each operator's inputs and outputs, and the
-fusion model (compiled_fusion.py) decides which of them become buffers. An extern kernel also allocates
+fusion model (fusion.py) decides which of them become buffers. An extern kernel also allocates
 inside the call what no graph value shows: mkldnn's convolution reorders its weight, and its backward
 copies the gradient and input into the layout it computes in. A ResNet plan predicted at 8.43 MiB
 measured 8.81: three 144 KiB buffers inside one `convolution_backward` set the step's peak.
@@ -9,7 +9,7 @@ measured 8.81: three 144 KiB buffers inside one `convolution_backward` set the s
 NOTE [kernel scratch]: the planner runs each such operator once, outside the compile's fake tensor
 mode, on tensors of the shapes, strides and dtype the joint graph gives it and in the layout inductor
 runs it in (channels-last for a 4-d tensor where inductor's layout optimisation is on: NOTE [layout
-copies] in compiled_graph.py), filled with ones (no random numbers are drawn), and counts the bytes
+copies] in joint_graph.py), filled with ones (no random numbers are drawn), and counts the bytes
 the call held above its outputs at its peak: on the CPU from the profiler's allocator events (not
 while a profiler of the caller's runs: a second one would end it), on CUDA from the allocator's peak
 statistic. The figure is a measurement of this machine's kernels, as the

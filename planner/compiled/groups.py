@@ -36,7 +36,7 @@ import torch
 from torch import fx
 from torch._functorch.partitioners import OpTypes
 
-from planner.compiled_fusion import node_tensor, target_name
+from planner.compiled.fusion import node_tensor, target_name
 
 __all__ = [
     "SEEDS_NODE",

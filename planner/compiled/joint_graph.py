@@ -10,7 +10,7 @@ the simulator and the solvers plan the compiled step unchanged:
 - nodes are the forward's aten operators grouped by the eager operator they decompose (autograd's
   sequence number: a LayerNorm is one node, not its eight decomposed operators), in forward order,
   with the module path of the call they belong to;
-- storages are the buffers inductor materialises (NOTE [fusion model] in compiled_fusion.py), sized
+- storages are the buffers inductor materialises (NOTE [fusion model] in fusion.py), sized
   from the graph's fake tensors; views share their base's storage;
 - what a node "saves" is what its backward reads of the partition without checkpointing (inductor's
   own min-cut partition at activation_memory_budget=1.0), following recomputed values back to saved
@@ -51,9 +51,9 @@ from torch import fx
 from torch._functorch.partitioners import NodeInfo, OpTypes, get_default_op_list
 from torch.utils.flop_counter import flop_registry
 
-from planner.backward_order import Kernel, least_peak_first, peak_of_order
-from planner.compiled_fusion import FusionModel, Storages, addmm_folds, is_primal, node_tensor, target_name
-from planner.compiled_groups import (
+from planner.compiled.backward_order import Kernel, least_peak_first, peak_of_order
+from planner.compiled.fusion import FusionModel, Storages, addmm_folds, is_primal, node_tensor, target_name
+from planner.compiled.groups import (
     REPLAYABLE_RANDOM,
     checkpointable_group,
     hoisted_operators,
@@ -63,8 +63,8 @@ from planner.compiled_groups import (
     random_draws,
     step_constants,
 )
+from planner.compiled.kernel_scratch import scratch_bytes
 from planner.ir import ActivationGraph, Node, Schedule, StaticBytes
-from planner.kernel_scratch import scratch_bytes
 from planner.profiler.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
 from planner.profiler.interpreter import LOSS_NODE
 from planner.profiler.measurement import counted_bytes, current_counting
@@ -104,7 +104,7 @@ class CompiledGraph:
     """Storage name -> the forward FX node whose value it is (the base of any views)."""
     always_saved: tuple[fx.Node, ...]
     """Forward values every partition must save: random draws (NOTE [random operators] in
-    compiled_groups.py)."""
+    groups.py)."""
     storage_of: dict[fx.Node, str] = field(repr=False)
     """Forward FX node -> the activation storage its value lives in (views: their base's)."""
     backward: tuple[fx.Node, ...] = field(repr=False)
@@ -114,7 +114,7 @@ class CompiledGraph:
     [backward order]); `order_backward` imposes it on the partitioned backward graph."""
     kernel_steps: dict[str, int] = field(repr=False, default_factory=dict)
     """Backward operator name -> the graph node whose backward step it runs in (NOTE [horizontal
-    fusion] in compiled.py)."""
+    fusion] in optimize.py)."""
 
 
 def _op_label(node: fx.Node) -> str:
@@ -197,7 +197,7 @@ class _JointReader:
         gradients_of_primals = output.args[0][num_fwd_outputs:]
         with_gradient = [p for p, g in zip(primals, gradients_of_primals, strict=True) if g is not None]
         self.step_constants = step_constants(self.forward, with_gradient, self.op_types)
-        """NOTE [step constants] in compiled_groups.py."""
+        """NOTE [step constants] in groups.py."""
         self.gradients = set(values) - self.forward_outputs
         self.tangents = [n for n in nodes if n.op == "placeholder" and not is_primal(n)]
         self.gradient_dependent = set(node_info.tangents_closure)
@@ -263,7 +263,7 @@ class _JointReader:
 
     def reads(self, node: fx.Node) -> frozenset[str]:
         """Activation storages the kernel computing `node` reads (NOTE [fusion model] in
-        compiled_fusion.py): a value computed inside the kernel contributes what it reads in turn."""
+        fusion.py): a value computed inside the kernel contributes what it reads in turn."""
         return frozenset(
             name for name in self.forward_fusion.inlined_reads[node] if name not in self.static_storages
         )
@@ -593,7 +593,7 @@ def build_compiled_graph(
 
 def _must_save(node: fx.Node, op_types: OpTypes) -> bool:
     """Forward values a partition must save rather than recompute: RNG state that recomputing would not
-    replay (NOTE [random operators] in compiled_groups.py), symbolic sizes, and what the partitioner
+    replay (NOTE [random operators] in groups.py), symbolic sizes, and what the partitioner
     itself pins to the forward (collectives, effectful operators, sources of mutations in backward)."""
     from torch._functorch.partitioners import _must_be_in_forward, is_sym_node
     from torch.utils.checkpoint import CheckpointPolicy

@@ -1,8 +1,8 @@
-"""The order a compiled backward runs its kernels in (NOTE [backward order] in planner/compiled.py).
+"""The order a compiled backward runs its kernels in (NOTE [backward order] in planner/compiled/optimize.py).
 
 inductor would reorder each graph for peak memory with heuristics on kernels that do not exist yet when
 the planner plans, so the planner chooses the backward's order itself, on its model of the kernels
-(compiled_graph.py builds them from the joint graph), and imposes it on the partitioned backward. This
+(joint_graph.py builds them from the joint graph), and imposes it on the partitioned backward. This
 module holds the parts that know nothing of the joint graph: a kernel, the peak of an order, inductor's
 least-peak-first heuristic, and the rewrite of an FX backward graph into a chosen order.
 """

@@ -1,6 +1,6 @@
 """How inductor turns the values of a joint graph into buffers, as the planner predicts it before any
 kernel exists: which values are stored (NOTE [fusion model]) and what each kernel reads, with the
-storage names the compiled graph (compiled_graph.py) counts bytes in.
+storage names the compiled graph (joint_graph.py) counts bytes in.
 
 NOTE [fusion model]: a forward or backward value is materialised (allocated as a buffer) when it is a
 graph output (a saved value, the model's output, a gradient), when the operator that makes it is not

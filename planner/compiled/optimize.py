@@ -6,17 +6,17 @@ the eager step's in both directions. Here the planner plans the compiled step it
 
 1. The model is compiled with inductor and a partitioner of ours (`custom_partitioner_fn`, inductor's
    public hook). When AOT autograd hands it the joint forward-backward graph, the partitioner builds
-   the planner's ActivationGraph of it (compiled_graph.py), adds the whole step's static memory
+   the planner's ActivationGraph of it (joint_graph.py), adds the whole step's static memory
    (parameters, gradients, optimizer state: profiler/static_memory.py) and the loss, measured eagerly, and
    solves it with the planner's own solvers under the byte budget.
 2. The schedule becomes the set of values the forward saves (a checkpointed region keeps its inputs,
    its backward recomputes the rest; random draws are always saved, so recomputed dropout replays its
-   mask: NOTE [random operators] in compiled_groups.py). inductor's min-cut partitioner then builds the
+   mask: NOTE [random operators] in groups.py). inductor's min-cut partitioner then builds the
    forward and backward graphs around that set, and the backward runs in the planned order.
 3. One forward and backward on the example inputs compiles both graphs; the model's state is left as
    it was (gradients go to `torch.autograd.grad`, RNG state and buffers are restored).
 
-A step dynamo splits has no one joint graph: compiled_split.py plans it (NOTE [graph breaks] there).
+A step dynamo splits has no one joint graph: split_step.py plans it (NOTE [graph breaks] there).
 
 NOTE [partitioner hook]: torch 2.13 offers two hooks. `activation_memory_budget_solver` takes a
 `CustomKnapsackSolver`, but it only chooses which of the min-cut's *banned* nodes may be recomputed,
@@ -37,7 +37,7 @@ into a dying input's buffer, `inplace_buffers`), so that memory is the liveness 
 NOTE [backward order]: inductor reorders each graph for peak memory (`reorder_for_peak_memory`) with
 heuristics on its own fused kernels, which the planner cannot predict before they exist. The planner
 instead chooses the backward's order itself (the same least-peak-first heuristic on its model of the
-kernels, or autograd's order when that is lower: `backward_order` in compiled_graph.py), imposes it
+kernels, or autograd's order when that is lower: `backward_order` in joint_graph.py), imposes it
 on the partitioned backward, and turns inductor's reordering off for this compile, so that the order
 it predicts is the order that runs.
 
@@ -91,10 +91,10 @@ from torch._inductor.scheduler import Scheduler
 from torch._inductor.virtualized import V
 from torch.utils._pytree import tree_map
 
-from planner.backward_order import order_backward
-from planner.compiled_graph import LossProfile, build_compiled_graph, retained_storages, saved_values
-from planner.compiled_split import SplitPlanning, eager_profile, optimize_split, splits
-from planner.compiled_step import (
+from planner.compiled.backward_order import order_backward
+from planner.compiled.joint_graph import LossProfile, build_compiled_graph, retained_storages, saved_values
+from planner.compiled.split_step import SplitPlanning, eager_profile, optimize_split, splits
+from planner.compiled.step import (
     MAX_ATTEMPTS,
     ExampleStep,
     PlanOnly,
@@ -182,8 +182,8 @@ class CompiledPlanning(CustomPartitionerFn):
         if default_choice is None:
             raise UnsupportedModel(
                 f"torch {torch.__version__} has no torch._functorch.partitioners.{SUBSTITUTED}: planning "
-                "the compiled step needs it (NOTE [partitioner hook] in planner/compiled.py); plan the eager "
-                "model instead (compile=False) and compile plan.module"
+                "the compiled step needs it (NOTE [partitioner hook] in planner/compiled/optimize.py); plan "
+                "the eager model instead (compile=False) and compile plan.module"
             )
 
         def choose(joint_graph: torch.fx.Graph, node_info: Any, memory_budget: float = 1.0) -> list[Any]:

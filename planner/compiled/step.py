@@ -1,7 +1,7 @@
-"""The compiled step's example call: compiled once, run, and its peak measured (compiled.py).
+"""The compiled step's example call: compiled once, run, and its peak measured (optimize.py).
 
-Why it exists: planning the compiled step (compiled.py) and planning a step dynamo splits (NOTE [graph
-breaks] in compiled_split.py) both compile the model, run one forward and backward on the example
+Why it exists: planning the compiled step (optimize.py) and planning a step dynamo splits (NOTE [graph
+breaks] in split_step.py) both compile the model, run one forward and backward on the example
 inputs to do so, and count the peak of that run against the budget (NOTE [checked budget]). This
 module holds that shared part: the example call, dynamo's settings while `optimize` compiles, the run
 that compiles and stops early where a partitioner asks it to, the measurement, and the lower budget

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import planner
 from bench.plan_llama7b import LlamaConfig, LlamaStyle
 from planner.errors import format_bytes
-from planner.sizing import render_weighing
+from planner.sizing.fitting import render_weighing
 
 log = logging.getLogger("bench.capacity")
 

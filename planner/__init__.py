@@ -33,11 +33,11 @@ from planner.ir import TrainingStep
 from planner.planning.plan import Plan
 
 if TYPE_CHECKING:
-    from planner.capacity_search import Capacity, capacity
     from planner.one_call import measure, optimize, pareto
     from planner.planning.graph import plan_graph
     from planner.planning.model import Profile, profile
     from planner.profiler.measurement import MeasuredStep
+    from planner.sizing.capacity import Capacity, capacity
 
 __all__ = [
     "Capacity",
@@ -68,8 +68,8 @@ _LAZY = {
     "profile": "planner.planning.model",
     "Profile": "planner.planning.model",
     "MeasuredStep": "planner.profiler.measurement",
-    "capacity": "planner.capacity_search",
-    "Capacity": "planner.capacity_search",
+    "capacity": "planner.sizing.capacity",
+    "Capacity": "planner.sizing.capacity",
 }
 
 

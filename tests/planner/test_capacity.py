@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import planner
-from planner.capacity_search import Capacity
 from planner.errors import format_bytes
+from planner.sizing.capacity import Capacity
 from planner.zoo import build_model
 
 MIB = 2**20
@@ -77,7 +77,7 @@ def searched(request: pytest.FixtureRequest) -> tuple[Case, Capacity]:
 def searched_in_exact_bytes(request: pytest.FixtureRequest) -> tuple[Case, Capacity]:
     """The search counting tensors' own bytes, where every storage's size is a polynomial of the size.
     In 512-byte blocks a size rounded up is not one, so a rescaled family rarely equals a fourth
-    capture and the search captures every size it probes (NOTE [rescaling] in rescale.py)."""
+    capture and the search captures every size it probes (NOTE [rescaling] in sizing/rescale.py)."""
     case = CASES[request.param]
     return case, case.capacity(solver="dp", memory_counting="exact")
 

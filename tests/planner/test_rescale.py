@@ -1,5 +1,5 @@
-"""Graph families (planner/rescale.py): a graph rescaled from three captures equals a fresh capture, and
-what cannot be rescaled honestly is refused."""
+"""Graph families (planner/sizing/rescale.py): a graph rescaled from three captures equals a fresh
+capture, and what cannot be rescaled honestly is refused."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 import planner
 from planner.ir import ActivationGraph
 from planner.profiler.cost_model import device_spec
-from planner.rescale import GraphFamily, NotRescalable
+from planner.sizing.rescale import GraphFamily, NotRescalable
 
 SPEC = device_spec("h100")
 

@@ -1,4 +1,4 @@
-"""The torch-free half of planner.capacity (planner/sizing.py): bisection against an oracle, the
+"""The torch-free half of planner.capacity (planner/sizing/fitting.py): bisection against an oracle, the
 monotonicity check, and the weighing of checkpointing, accumulation and bf16 on known costs."""
 
 from __future__ import annotations
@@ -8,7 +8,15 @@ import random
 
 import pytest
 
-from planner.sizing import Priced, SizeRow, check_monotone, divisors, largest_fitting, render_weighing, weigh
+from planner.sizing.fitting import (
+    Priced,
+    SizeRow,
+    check_monotone,
+    divisors,
+    largest_fitting,
+    render_weighing,
+    weigh,
+)
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -4,7 +4,7 @@ Why it exists: "how far can I go on this card?" is two questions. The first, the
 sequence whose training step fits, is a search over sizes on the predicted peaks (`largest_fitting`).
 The second, whether checkpointing, gradient accumulation or bf16 autocast is the cheapest way to a
 global batch that does not fit as it is, is a comparison of predicted step times (`weigh`). Both work
-on numbers that capacity_search.py gets from profiled graphs, so both are plain functions here, testable
+on numbers that capacity.py gets from profiled graphs, so both are plain functions here, testable
 without a model.
 
 NOTE [monotone peaks]: the search takes the peak without checkpointing and the lowest achievable peak
@@ -104,7 +104,8 @@ def check_monotone(rows: Sequence[SizeRow], dimension: str) -> str | None:
                 return (
                     f"the {label} falls from {format_bytes(before)} at {dimension} {smaller.size} to "
                     f"{format_bytes(after)} at {larger.size}: the search assumes peaks grow with the "
-                    f"{dimension} (NOTE [monotone peaks] in planner/sizing.py); rerun with search='scan'"
+                    f"{dimension} (NOTE [monotone peaks] in planner/sizing/fitting.py); rerun with "
+                    "search='scan'"
                 )
     return None
 

@@ -11,14 +11,14 @@ predictions.
     print(table)                 # largest batch without and with checkpointing; the sizes probed
     plan = table.plan()          # the plan at the largest batch that fits with checkpointing
 
-How it works (sizing.py has the search and the weighing, rescale.py the reused captures):
+How it works (fitting.py has the search and the weighing, rescale.py the reused captures):
 - A probed size is one capture and profiling step (`_profile_size`, the one call into the profiling
   pipeline) or, with analytic costs, a graph rescaled from captures at three other sizes after a fourth
   capture confirmed the rescaling (NOTE [rescaling] in rescale.py). Every size a table answers with is
   confirmed by a capture of its own; when that capture differs from the rescaled graph, reuse is dropped
   and the search runs again on captures alone.
 - Both peaks come from one graph per size: no checkpointing (`store_everything`) and the lowest any
-  plan reaches (`lowest_peak`); the search bisects on each (NOTE [monotone peaks] in sizing.py).
+  plan reaches (`lowest_peak`); the search bisects on each (NOTE [monotone peaks] in fitting.py).
 - The step is the one `optimize` plans (`TrainingStep`); weighing accumulation against checkpointing
   plans each micro-batch for the step with every gradient alive (NOTE [weighing options]).
 """
@@ -43,9 +43,8 @@ from planner.planning.model import budget_bytes_of, memory_counting_of, profile,
 from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.measurement import OptimizerSpec, tensors_in
-from planner.rescale import FIT_SIZES, GraphFamily, NotRescalable
 from planner.simulation.step import for_training_step, simulate, store_everything
-from planner.sizing import (
+from planner.sizing.fitting import (
     Price,
     Priced,
     SizeRow,
@@ -56,6 +55,7 @@ from planner.sizing import (
     render_weighing,
     weigh,
 )
+from planner.sizing.rescale import FIT_SIZES, GraphFamily, NotRescalable
 from planner.solvers import lowest_peak, solve
 
 __all__ = ["CARD_MEMORIES_GIB", "Capacity", "ProgressCallback", "capacity"]
@@ -811,7 +811,7 @@ def capacity(
     device), else measured on this machine (`cost_model` overrides). `autocast=torch.bfloat16` plans
     the step under `torch.autocast` (not on the meta device). `step` is the training step as
     `optimize` takes it. `global_batch=G` also weighs checkpointing, accumulation and bf16 autocast
-    for G samples per optimizer step (NOTE [weighing options] in sizing.py). `search="scan"` probes
+    for G samples per optimizer step (NOTE [weighing options] in fitting.py). `search="scan"` probes
     every size instead of bisecting (NOTE [monotone peaks]); `reuse_captures` (default: with analytic
     costs) rescales graphs instead of capturing every size (rescale.py). `progress(done, expected,
     message)` is called after each graph. Bytes count as `optimize` counts them (`memory_counting`).

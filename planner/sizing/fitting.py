@@ -4,7 +4,7 @@ Why it exists: "how far can I go on this card?" is two questions. The first, the
 sequence whose training step fits, is a search over sizes on the predicted peaks (`largest_fitting`).
 The second, whether checkpointing, gradient accumulation or bf16 autocast is the cheapest way to a
 global batch that does not fit as it is, is a comparison of predicted step times (`weigh`). Both work
-on numbers that capacity.py gets from profiled graphs, so both are plain functions here, testable
+on numbers that search.py gets from profiled graphs, so both are plain functions here, testable
 without a model.
 
 NOTE [monotone peaks]: the search takes the peak without checkpointing and the lowest achievable peak

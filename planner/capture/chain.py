@@ -15,7 +15,7 @@ that takes the finest level that works and records which one it took (`Capture.p
    training. The unlifted graph fetches the model's own Parameter and buffer objects, so gradients and
    tied weights are the model's. The batch and sequence dimensions of every tensor input (the first
    two) are exported as `Dim.AUTO`: export keeps dynamic what the model lets vary and specialises the
-   rest, recording ranges and guards (see NOTE [other shapes]); when that fails, the graph is
+   rest, recording ranges and guards (NOTE [other shapes] in records.py); when that fails, the graph is
    specialised to the example's shapes. It is specialised to the example call's structure either way.
 3. When neither works, `capture` raises `UnsupportedModel` naming the construct each level failed on
    and the workaround; `optimize` then plans the model by its submodules, running its forward as
@@ -28,27 +28,9 @@ node that calls the module (its hooks run), and the profiler marks that node not
 replay never runs the hooks a second time. torch.export would inline such a submodule and run its hooks
 once, at capture, so the export level refuses models whose submodules carry hooks.
 
-NOTE [in-place ops]: checkpointing keeps a region's input tensors to replay the region, and the replay
-fails if one was written in place since (`out += identity` or `ReLU(inplace=True)` right after a region
-boundary). Both levels therefore run an in-place op out of place when nothing can observe the write:
-its tensor is new (made by a convolution, a norm, a Linear, an addition, an ATen op whose schema
-returns no alias, ...) and no node after it reads that tensor; buffers are never switched. Values are
-the same; the tensor written is a new one. In-place ops that stay (writes through a view, slice
-assignment, a tensor read again later) are found while profiling, by version counters, and
-the profiler keeps their readers out of checkpointed regions.
-
-Which inputs the graph takes is the job of `GraphCall`: the planned module is called like the model
-(`model(x, attention_mask=m)`), and the captured graph takes either the bound arguments in signature
-order (FX) or the flat tensors of the example call's structure (export).
-
-NOTE [other shapes]: `GraphCall.admits` says whether a call can run on the captured graph. An FX graph
-runs at any shape unless it inlines a container that torch.export specialised (`pinned_shapes`). An
-exported graph needs the example's structure, dtypes, devices and contiguity (export asserts dtypes
-and traces views for the example's strides), and either the example's shapes (a static export) or
-shapes inside the ranges and guards of its dynamic dimensions, checked as torch.export checks the
-inputs of the modules it unlifts (which admits sizes 0 and 1 where the range starts at 2: export
-reasons as if a dynamic size were at least 2, and the graph it records holds for 1 as well). A call
-the graph does not admit is captured again at its own shape (planner/rewrite/other_shapes.py).
+Both levels then run out of place the in-place ops whose writes nothing can observe (NOTE [in-place
+ops] in in_place.py). What a capture is, and which calls its graph runs, are records.py's (`Capture`,
+`GraphCall`, NOTE [other shapes]).
 """
 
 from __future__ import annotations
@@ -58,20 +40,26 @@ import copy
 import dataclasses
 import inspect
 import logging
-import operator
 import traceback
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
-from torch._export.utils import _check_input_constraints_for_graph
 from torch.export import Dim
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
+from planner.capture.in_place import run_out_of_place
+from planner.capture.records import (
+    Capture,
+    CapturePath,
+    ExportedShapes,
+    GraphCall,
+    call_shapes,
+    fx_path,
+    tensor_layouts,
+    tensor_shapes,
+)
 from planner.capture.submodule_export import (
     EXPORT_GUARDS_MODULE,
     check_shared_state,
@@ -82,11 +70,6 @@ from planner.capture.submodule_export import (
 from planner.errors import UnsupportedModel
 
 __all__ = [
-    "Capture",
-    "CapturePath",
-    "ExportedShapes",
-    "GraphCall",
-    "call_shapes",
     "candidate_units",
     "capture",
     "has_hooks",
@@ -97,155 +80,6 @@ log = logging.getLogger(__name__)
 
 MAX_OPAQUE_MODULES = 64
 """A model with more untraceable submodules than this is better served by the export level."""
-
-
-class CapturePath(StrEnum):
-    """The levels of the capture chain, finest first (the values `Capture.path` and `Plan.capture`
-    start with); members are their string values."""
-
-    FX = "fx"
-    EXPORT = "export"
-    MODULE = "module"
-    """The model's own submodules as whole units (planner/capture/model_call.py)."""
-
-
-def _shapes(values: Any) -> tuple[tuple[int, ...] | None, ...]:
-    leaves, _ = tree_flatten(values)
-    return tuple(tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves)
-
-
-def call_shapes(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[tuple[int, ...] | None, ...]:
-    """The tensor shapes of a call, leaf by leaf (None for a leaf that is not a tensor)."""
-    return _shapes((tuple(args), dict(kwargs)))
-
-
-TensorLayout = tuple[torch.dtype, str, bool]
-"""A tensor's dtype, device type and whether it is contiguous: what an export specialises besides
-shapes (it asserts dtypes, places new tensors on the example's device, traces views for its strides)."""
-
-
-def _layouts(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[TensorLayout | None, ...]:
-    """The layout of each tensor of a call (None for a leaf that is not a tensor)."""
-    leaves, _ = tree_flatten((tuple(args), dict(kwargs)))
-    return tuple(
-        (leaf.dtype, leaf.device.type, leaf.is_contiguous()) if isinstance(leaf, torch.Tensor) else None
-        for leaf in leaves
-    )
-
-
-@dataclass(frozen=True)
-class ExportedShapes:
-    """What a graph exported with dynamic dimensions accepts: its input placeholders (whose values
-    carry symbolic shapes), each symbol's range, and export's guards relating them."""
-
-    placeholders: tuple[fx.Node, ...]
-    range_constraints: Mapping[Any, Any]
-    guards: Callable[..., Any] | None
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> ExportedShapes:
-        """Shared, not copied: it describes shapes and holds no model state (its placeholders' values
-        are fake tensors, which cannot be copied), so a copy of a planned module uses it as it is."""
-        return self
-
-    def admit(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-        leaves_with_path, _ = tree_flatten_with_path((tuple(args), dict(kwargs)))
-        try:
-            # export's own check of an unlifted module's inputs against its symbols' ranges
-            _check_input_constraints_for_graph(
-                list(self.placeholders), leaves_with_path, self.range_constraints
-            )
-            if self.guards is not None:
-                self.guards(*(leaf for _, leaf in leaves_with_path))
-        except (AssertionError, RuntimeError) as violated:
-            log.debug("outside the exported graph's shapes: %s", violated)
-            return False
-        return True
-
-
-@dataclass(frozen=True)
-class GraphCall:
-    """Maps a call of the model, `model(*args, **kwargs)`, onto the captured graph's inputs.
-
-    With `example_spec` None (FX), the graph takes the bound arguments in signature order, defaults
-    filled in, so every call that binds to the forward's signature works. Otherwise (export) the graph
-    takes the flat leaves of `(args, kwargs)`, and a call must have the example's structure. Which
-    shapes a graph admits: see NOTE [other shapes].
-    """
-
-    signature: inspect.Signature
-    example_spec: TreeSpec | None = None
-    example_shapes: tuple[tuple[int, ...] | None, ...] = ()
-    example_layouts: tuple[TensorLayout | None, ...] = ()
-    """The example's tensors' dtypes, devices and contiguity, which an export specialises."""
-    exported_shapes: ExportedShapes | None = None
-    """The ranges and guards of an export with dynamic dimensions; None: the example's shapes only."""
-    pinned_shapes: tuple[tuple[int, ...] | None, ...] | None = None
-    """FX graphs with an exported submodule inlined (NOTE [exported submodules]) run only at the
-    example's tensor shapes: the bound arguments' shapes."""
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> GraphCall:
-        """Shared, not copied: a description of calls that holds no model state."""
-        return self
-
-    def admits(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-        """True when the captured graph can run this call (see NOTE [other shapes])."""
-        if self.example_spec is None:
-            return self.pinned_shapes is None or _shapes(self._bound(args, kwargs)) == self.pinned_shapes
-        args, kwargs = tuple(args), self._ordered(kwargs)
-        _, spec = tree_flatten((args, kwargs))
-        if spec != self.example_spec or _layouts(args, kwargs) != self.example_layouts:
-            return False
-        if self.exported_shapes is None:
-            return call_shapes(args, kwargs) == self.example_shapes
-        return self.exported_shapes.admit(args, kwargs)
-
-    def graph_arguments(
-        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The (args, kwargs) to call the captured GraphModule with, for a call it `admits`."""
-        if self.example_spec is None:
-            return self._bound(args, kwargs), {}
-        return tuple(args), dict(kwargs)
-
-    def graph_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
-        """The placeholder values of the captured graph (what an fx.Interpreter over it takes)."""
-        if self.example_spec is None:
-            return self._bound(args, kwargs)
-        leaves, _ = tree_flatten((tuple(args), self._ordered(kwargs)))
-        return tuple(leaves)
-
-    def _bound(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return tuple(bound.arguments.values())
-
-    def _ordered(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """Keyword arguments in the forward's parameter order, as the example's structure lists them
-        (a data collator may order a batch's keys otherwise)."""
-        order = {name: index for index, name in enumerate(self.signature.parameters)}
-        return dict(sorted(kwargs.items(), key=lambda item: order.get(item[0], len(order))))
-
-
-@dataclass(frozen=True)
-class Capture:
-    """A traced model, the path that produced it, and how its example call maps onto the graph."""
-
-    graph_module: fx.GraphModule
-    path: str
-    opaque_modules: tuple[str, ...]
-    call: GraphCall
-    inputs: tuple[Any, ...] = ()
-    """The example call as the graph takes it (`GraphCall.graph_inputs` of the example)."""
-    exported_modules: tuple[str, ...] = ()
-    """Containers FX could not trace that torch.export captured and the graph inlines."""
-
-    def label(self, split: Collection[str] = ()) -> str:
-        """`path`, saying which opaque modules (or modules kept whole for their hooks) a profile
-        split at their children's calls (NOTE [split calls] in simulation/step.py)."""
-        if not self.path.startswith(CapturePath.FX):
-            return self.path
-        opaque = [name for name in self.opaque_modules if name not in split]
-        return _fx_path(opaque, list(self.exported_modules), sorted(split))
 
 
 HOOK_DICTS = (
@@ -349,155 +183,6 @@ def _concrete_arguments(signature: inspect.Signature, example: inspect.BoundArgu
     }
 
 
-OUT_OF_PLACE_OPERATORS: dict[Callable[..., Any], Callable[..., Any]] = {
-    operator.iadd: operator.add,
-    operator.isub: operator.sub,
-    operator.imul: operator.mul,
-    operator.itruediv: operator.truediv,
-}
-"""Augmented assignments (`out += identity`) and the operators that compute them out of place."""
-
-FRESH_MODULES = (
-    nn.modules.conv._ConvNd,
-    nn.Linear,
-    nn.Bilinear,
-    nn.modules.batchnorm._NormBase,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.Embedding,
-)
-"""Modules whose output is always a new tensor, never a view of an input."""
-
-FRESH_FUNCTIONS = frozenset(
-    {
-        *OUT_OF_PLACE_OPERATORS.values(),
-        operator.matmul,
-        torch.add,
-        torch.cat,
-        torch.matmul,
-        torch.mul,
-        F.conv1d,
-        F.conv2d,
-        F.conv3d,
-        F.gelu,
-        F.layer_norm,
-        F.linear,
-    }
-)
-"""Functions whose output is always a new tensor."""
-
-
-def _makes_fresh_tensor(node: fx.Node, graph_module: fx.GraphModule) -> bool:
-    if node.op == "call_module":
-        return isinstance(graph_module.get_submodule(str(node.target)), FRESH_MODULES)
-    if node.op != "call_function":
-        return False
-    if isinstance(node.target, torch._ops.OpOverload):
-        # ATen schemas annotate aliasing: an output without an alias annotation is a new tensor
-        schema = node.target._schema
-        return bool(schema.returns) and not schema.is_mutable and schema.returns[0].alias_info is None
-    return node.target in FRESH_FUNCTIONS
-
-
-def _only_reader(node: fx.Node, written: Any, order: dict[fx.Node, int]) -> bool:
-    """True when no node after `node` reads `written`, so nothing can observe the in-place write."""
-    return isinstance(written, fx.Node) and all(order[user] <= order[node] for user in written.users)
-
-
-def _out_of_place_overload(operator_overload: Any) -> Any:
-    """The out-of-place ATen overload of an in-place one (`aten.relu_.default` -> `aten.relu.default`)."""
-    if not isinstance(operator_overload, torch._ops.OpOverload):
-        return None
-    schema = operator_overload._schema
-    name = schema.name.removeprefix("aten::")
-    if not name.endswith("_") or not schema.arguments or schema.arguments[0].alias_info is None:
-        return None
-    packet = getattr(torch.ops.aten, name[:-1], None)
-    return getattr(packet, operator_overload._overloadname, None) if packet is not None else None
-
-
-def _out_of_place_form(node: fx.Node) -> Callable[[], None] | None:
-    """A change that makes `node` compute out of place, or None when it is not an in-place op."""
-    overload = _out_of_place_overload(node.target) if node.op == "call_function" else None
-    if overload is not None:
-        return lambda: setattr(node, "target", overload)
-    if node.op == "call_function" and node.target in OUT_OF_PLACE_OPERATORS:
-        replacement = OUT_OF_PLACE_OPERATORS[node.target]
-        return lambda: setattr(node, "target", replacement)
-    if node.op == "call_function" and node.kwargs.get("inplace") is True:
-        return lambda: setattr(node, "kwargs", {**node.kwargs, "inplace": False})
-    if node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).startswith("_"):
-        method = str(node.target)[:-1]
-        return (lambda: setattr(node, "target", method)) if hasattr(torch.Tensor, method) else None
-    return None
-
-
-def _in_place_module(node: fx.Node, graph_module: fx.GraphModule) -> bool:
-    if node.op != "call_module":
-        return False
-    return getattr(graph_module.get_submodule(str(node.target)), "inplace", False) is True
-
-
-def _graph_owns_parent(graph_module: fx.GraphModule, model: torch.nn.Module, target: str) -> bool:
-    """True when the module holding `target` in the graph is the graph's own, not the model's."""
-    parent_path = target.rpartition(".")[0]
-    return not parent_path or graph_module.get_submodule(parent_path) is not model.get_submodule(parent_path)
-
-
-def _out_of_place_plan(
-    graph_module: fx.GraphModule, model: torch.nn.Module, excluded: set[str]
-) -> tuple[list[Callable[[], None]], dict[str, bool]]:
-    """The in-place calls to run out of place, and whether each in-place module's every call may be."""
-    order = {node: index for index, node in enumerate(graph_module.graph.nodes)}
-    fresh: set[fx.Node] = set()
-    changes: list[Callable[[], None]] = []
-    module_safe: dict[str, bool] = {}
-    for node in graph_module.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module") or not node.args:
-            continue
-        written = node.args[0]
-        safe = (
-            isinstance(written, fx.Node)
-            and (written in fresh or _makes_fresh_tensor(written, graph_module))
-            and _only_reader(node, written, order)
-        )
-        if _in_place_module(node, graph_module):
-            target = str(node.target)
-            safe = safe and _graph_owns_parent(graph_module, model, target)
-            module_safe[target] = module_safe.get(target, True) and safe
-            if safe and target not in excluded:
-                fresh.add(node)
-            continue
-        change = _out_of_place_form(node)
-        if change is not None and safe:
-            changes.append(change)
-            fresh.add(node)
-    return changes, module_safe
-
-
-def _run_out_of_place(graph_module: fx.GraphModule, model: torch.nn.Module) -> None:
-    """Compute out of place the in-place ops whose writes nothing can observe; see NOTE [in-place ops].
-
-    A module called at several places (one `self.relu` in a block) is switched only if every call
-    may be; excluding one can make a later call unsafe, so the plan is redone until it is stable.
-    """
-    excluded: set[str] = set()
-    while True:
-        changes, module_safe = _out_of_place_plan(graph_module, model, excluded)
-        unsafe = {target for target, safe in module_safe.items() if not safe}
-        if unsafe <= excluded:
-            break
-        excluded |= unsafe
-    for change in changes:
-        change()
-    for target in sorted(target for target in module_safe if target not in excluded):
-        parent_path, _, name = target.rpartition(".")
-        out_of_place = copy.copy(graph_module.get_submodule(target))
-        object.__setattr__(out_of_place, "inplace", False)
-        setattr(graph_module.get_submodule(parent_path), name, out_of_place)
-    graph_module.recompile()
-
-
 def _capture_fx(
     model: torch.nn.Module, signature: inspect.Signature, example: inspect.BoundArguments | None
 ) -> Capture:
@@ -532,33 +217,20 @@ def _capture_fx(
             continue
         graph_module = fx.GraphModule(tracer.root, graph, type(model).__name__)
         exported = inline_exported_containers(graph_module, model, opaque, example) if example else []
-        _run_out_of_place(graph_module, model)
+        run_out_of_place(graph_module, model)
         call = GraphCall(signature=signature)
         inputs = call.graph_inputs(example.args, example.kwargs) if example is not None else ()
         if exported:
-            call = dataclasses.replace(call, pinned_shapes=_shapes(inputs))
+            call = dataclasses.replace(call, pinned_shapes=tensor_shapes(inputs))
         still_opaque = sorted(opaque - set(exported))
         return Capture(
             graph_module=graph_module,
-            path=_fx_path(still_opaque, exported),
+            path=fx_path(still_opaque, exported),
             opaque_modules=tuple(still_opaque),
             call=call,
             inputs=inputs,
             exported_modules=tuple(exported),
         )
-
-
-def _fx_path(opaque: list[str], exported: list[str], split: list[str] | None = None) -> str:
-    """`Capture.path` of an FX capture: which submodules torch.export captured, which ones a profile
-    split at their children's calls, which stayed opaque."""
-    notes = []
-    if exported:
-        notes.append(f"exported: {', '.join(exported)}")
-    if split:
-        notes.append(f"planned by children: {', '.join(split)}")
-    if opaque:
-        notes.append(f"opaque: {', '.join(opaque)}")
-    return f"{CapturePath.FX.value} ({'; '.join(notes)})" if notes else CapturePath.FX.value
 
 
 @contextlib.contextmanager
@@ -664,7 +336,7 @@ def _capture_export(
     check_shared_state(graph_module, model)
     guards = getattr(graph_module, EXPORT_GUARDS_MODULE, None)
     drop_export_guards(graph_module)
-    _run_out_of_place(graph_module, model)
+    run_out_of_place(graph_module, model)
     _, spec = tree_flatten((args, kwargs))
     exported_shapes = None
     if dynamic:
@@ -677,7 +349,7 @@ def _capture_export(
         call,
         example_spec=spec,
         example_shapes=call_shapes(args, kwargs),
-        example_layouts=_layouts(args, kwargs),
+        example_layouts=tensor_layouts(args, kwargs),
         exported_shapes=exported_shapes,
     )
     return Capture(

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from planner.capture.chain import Capture, CapturePath, GraphCall
+from planner.capture.records import Capture, CapturePath, GraphCall
 
 __all__ = ["MODEL_CALL", "capture_model_call"]
 

@@ -43,8 +43,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from planner.capture.chain import Capture, call_shapes, candidate_units, capture
+from planner.capture.chain import candidate_units, capture
 from planner.capture.model_call import capture_model_call
+from planner.capture.records import Capture, call_shapes
 from planner.errors import GIB, LargerShapeWarning, UnsupportedModel, format_bytes
 from planner.ir import GLUE_OP, ActivationGraph, BudgetKind, CostModel, MemoryCounting, Schedule, TrainingStep
 from planner.planning.graph import Frontier, pareto_frontier, plan_graph

@@ -29,7 +29,8 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from planner.capture.chain import Capture, has_hooks
+from planner.capture.chain import has_hooks
+from planner.capture.records import Capture
 from planner.ir import ActivationGraph, CostModel, MemoryCounting, Node, Phase, TrainingStep
 from planner.profiler.attention import planned_attention
 from planner.profiler.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
@@ -557,7 +558,7 @@ def _forbid_replaying_mutated_inputs(interpreter: _ProfilingInterpreter) -> None
     that was written in place since (autograd's version check). A region that starts after storage
     S was made and contains a node reading S has S as an input; if S is written at or after that
     node, the replay fails. So every reader of S between S's creator (exclusive) and its last
-    in-place writer (inclusive) stays out of checkpointed regions. capture/chain.py runs the common
+    in-place writer (inclusive) stays out of checkpointed regions. capture/in_place.py runs the common
     in-place ops out of place where that is safe, so this rarely applies.
     """
     records = [interpreter.records[name] for name in interpreter.order]

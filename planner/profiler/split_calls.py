@@ -23,8 +23,9 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_map
 
-from planner.capture.chain import Capture, candidate_units, has_hooks
+from planner.capture.chain import candidate_units, has_hooks
 from planner.capture.model_call import MODEL_CALL
+from planner.capture.records import Capture
 from planner.ir import GLUE_OP
 from planner.profiler.measurement import tensors_in
 from planner.profiler.records import RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker

@@ -47,7 +47,7 @@ from torch import fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from planner.capture.chain import Capture
+from planner.capture.records import Capture
 from planner.errors import UnplannedStep, UnsupportedModel, format_bytes
 from planner.ir import ActivationGraph, Schedule, TrainingStep
 from planner.profiler.selective_cost import saved_when_kept

@@ -4,7 +4,7 @@ schedule carries over to a graph captured at another shape.
 Why it exists: people plan with one example batch and train on many shapes: a short last batch
 (`drop_last=False` is the default of DataLoader and of the Hugging Face Trainer), dynamic padding,
 packing, curriculum sequence lengths. An FX graph runs at any shape; a graph exported with dynamic
-dimensions runs at every shape inside its ranges and guards (NOTE [other shapes] in capture/chain.py). A
+dimensions runs at every shape inside its ranges and guards (NOTE [other shapes] in capture/records.py). A
 call that the captured graph does not admit (outside those ranges and guards, another dtype or
 layout, a model export could only capture at the example's shapes, an FX graph with an inlined
 exported container) is captured again at its own shape, once per shape (`CallDispatch`), and the
@@ -35,7 +35,8 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from planner.capture.chain import Capture, GraphCall, call_shapes, capture
+from planner.capture.chain import capture
+from planner.capture.records import Capture, GraphCall, call_shapes
 from planner.errors import UnsupportedModel
 from planner.ir import GLUE_OP, ActivationGraph, Region, RegionPolicy, Schedule
 

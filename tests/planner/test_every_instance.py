@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import planner
-from planner.capture.chain import CapturePath, has_hooks
+from planner.capture.chain import has_hooks
+from planner.capture.records import CapturePath
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulation.step import simulate
 from planner.testing.zoo_dag import checkpoint_every_instance, repeated_module_types

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import planner
-from planner.capture.chain import Capture, GraphCall
+from planner.capture.records import Capture, GraphCall
 from planner.errors import LargerShapeWarning, format_bytes
 from planner.rewrite.emit import CheckpointedRegion
 from planner.rewrite.other_shapes import MANY_SHAPES, is_larger

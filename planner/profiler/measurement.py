@@ -30,6 +30,7 @@ import gc
 import statistics
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -223,9 +224,7 @@ class AllocatorPhases:
 
     def __init__(self, resident: Iterable[torch.Tensor] = (), counting: MemoryCounting | None = None) -> None:
         self.counting = current_counting() if counting is None else MemoryCounting(counting)
-        resident = list(resident)
-        self.resident_bytes = storage_bytes(resident, self.counting)
-        self.exact_resident_bytes = storage_bytes(resident, MemoryCounting.EXACT)
+        self.resident_sizes = storage_sizes(resident)
         self.peaks: dict[str, int] = {}
         self.ends: dict[str, int] = {}
         self.exact_peaks: dict[str, int] = {}
@@ -239,10 +238,8 @@ class AllocatorPhases:
             pass
 
     def __enter__(self) -> AllocatorPhases:
-        # The CPU allocator remembers the size of a block allocated under an earlier memory profile
-        # and reports its free in this one: garbage from an earlier measurement (an optimizer's
-        # state in a reference cycle) collected inside this window lowers the live bytes, most
-        # likely why a compiled peer measured 4.2 MB under its peak in one CI run. Collect it first.
+        # Garbage from an earlier measurement would be freed inside the window (NOTE [frees from
+        # before the window]); collect it first.
         gc.collect()
         self._profiler.__enter__()
         return self
@@ -257,33 +254,58 @@ class AllocatorPhases:
             (event.name(), event.nbytes()) if event.name() == "[memory]" else (event.name(), 0)  # type: ignore[attr-defined]
             for event in events
         ]
-        self.peaks, self.ends = _phase_peaks(marks, self.counting, self.resident_bytes)
-        self.exact_peaks, _ = _phase_peaks(marks, MemoryCounting.EXACT, self.exact_resident_bytes)
+        self.peaks, self.ends = _phase_peaks(marks, self.counting, self.resident_sizes)
+        self.exact_peaks, _ = _phase_peaks(marks, MemoryCounting.EXACT, self.resident_sizes)
 
 
 def _phase_peaks(
-    marks: Sequence[tuple[str, int]], counting: MemoryCounting, resident_bytes: int
+    marks: Sequence[tuple[str, int]], counting: MemoryCounting, resident_sizes: Sequence[int]
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """(peak, end) live bytes of each phase, from allocator events ("[memory]", signed bytes) and
-    phase marks in time order, each allocation counted as `counting` says."""
+    """(peak, end) live bytes of each phase, from allocator events ("[memory]", signed exact bytes) and
+    phase marks in time order, with the storages of `resident_sizes` (exact bytes) live from the start,
+    each counted as `counting` says.
+
+    NOTE [frees from before the window]
+    The CPU allocator remembers the size of a block allocated under an earlier memory profile and
+    reports its free in a later one, without an address. Garbage of an earlier measurement (an
+    optimizer's state in a reference cycle, a cache a library drops) freed inside this window lowered
+    the live bytes below what this window holds: a compiled peer measured 4.2 MB under its peak in one
+    CI run, and a test's window measured 1 MiB low in two of four full runs. So a free counts only
+    where it can be the free of a block this window knows of: a live allocation of the window of the
+    same size, else a resident storage of that size; any other free is of a block allocated before
+    the window and never counted, and is ignored.
+    """
     peaks: dict[str, int] = {}
     ends: dict[str, int] = {}
-    live_bytes = phase_peak_bytes = 0
+    live_sizes = Counter[int]()
+    resident = Counter[int](resident_sizes)
+    live_bytes = phase_peak_bytes = sum(counting.of(size) * count for size, count in resident.items())
     unmarked = False
-    for name, size_bytes in marks:
+    for name, signed_bytes in marks:
         if name == "[memory]":
-            counted = counting.of(abs(size_bytes))
-            live_bytes += counted if size_bytes > 0 else -counted
+            size = abs(signed_bytes)
+            if signed_bytes > 0:
+                live_sizes[size] += 1
+                live_bytes += counting.of(size)
+            elif live_sizes[size] > 0 or resident[size] > 0:
+                (live_sizes if live_sizes[size] > 0 else resident)[size] -= 1
+                live_bytes -= counting.of(size)
             phase_peak_bytes = max(phase_peak_bytes, live_bytes)
             unmarked = True
         elif name.startswith(PHASE_MARK):
             phase = name.removeprefix(PHASE_MARK)
-            peaks[phase] = max(peaks.get(phase, 0), resident_bytes + phase_peak_bytes)
-            ends[phase] = resident_bytes + live_bytes
+            peaks[phase] = max(peaks.get(phase, 0), phase_peak_bytes)
+            ends[phase] = live_bytes
             phase_peak_bytes, unmarked = live_bytes, False
     if unmarked or not peaks:
-        peaks[AFTER_LAST_PHASE] = resident_bytes + phase_peak_bytes
+        peaks[AFTER_LAST_PHASE] = phase_peak_bytes
     return peaks, ends
+
+
+def storage_sizes(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Exact bytes of each distinct storage behind `tensors` (tied weights and views count once)."""
+    sizes = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
+    return list(sizes.values())
 
 
 def is_compiled(model: torch.nn.Module) -> bool:
@@ -295,8 +317,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], counting: MemoryCounting | No
     """Bytes of the distinct storages behind `tensors` (tied weights and views count once), each counted
     as `counting` says (the current scope's by default)."""
     counting = current_counting() if counting is None else counting
-    sizes = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
-    return sum(counting.of(size_bytes) for size_bytes in sizes.values())
+    return sum(counting.of(size_bytes) for size_bytes in storage_sizes(tensors))
 
 
 def make_optimizer(

@@ -103,3 +103,25 @@ def test_garbage_from_an_earlier_measurement_does_not_lower_a_later_one() -> Non
         gc.collect()  # the collector runs during the step, before it allocates
         kept = torch.ones(500_000)
     assert max(window.exact_peaks.values()) == kept.untyped_storage().nbytes()
+
+
+def test_a_free_of_a_block_from_an_earlier_window_is_not_counted() -> None:
+    """NOTE [frees from before the window]: the free of a block a window never saw allocated (here one
+    allocated under an earlier window, still alive when this one opens) leaves the live bytes alone."""
+    with AllocatorPhases():
+        earlier = torch.ones(262_144)  # 1 MiB, allocated under the earlier window
+    with AllocatorPhases() as window:
+        del earlier
+        kept = torch.ones(500_000)
+    assert max(window.exact_peaks.values()) == kept.untyped_storage().nbytes()
+
+
+def test_a_resident_storage_freed_inside_the_window_leaves_the_live_bytes() -> None:
+    resident = [torch.ones(1_000_000)]
+    with AllocatorPhases():
+        resident.append(torch.ones(250_000))  # 1 MB whose free a later window is told of
+    with AllocatorPhases(resident, MemoryCounting.EXACT) as window:
+        window.on_phase("both resident")
+        resident.pop()
+        window.on_phase("one freed")
+    assert window.ends == {"both resident": 5_000_000, "one freed": 4_000_000}

@@ -66,7 +66,7 @@ REFERENCES = {
     Mode.EAGER: "the unmodified eager model's",
     Mode.COMPILED: "compiled no checkpointing's (same dropout masks)",
 }
-"""What a row's gradients are compared with (bench/compare.py, NOTE [compiled gradients])."""
+"""What a row's gradients are compared with (bench/compare_measurement.py, NOTE [compiled gradients])."""
 
 
 class Family(StrEnum):
@@ -396,7 +396,8 @@ class Tally:
     slower: int = 0
     """Measurably slower: the median ratio's 95 % interval lies above 1."""
     misses_against_wrong_gradients: int = 0
-    """Misses where the peer's own gradients were wrong (NOTE [compiled gradients] in bench/compare.py)."""
+    """Misses where the peer's own gradients were wrong (NOTE [compiled gradients] in
+    bench/compare_measurement.py)."""
 
 
 def tally(results: Sequence[ModelResult], mode: Mode, solver: str) -> Tally:

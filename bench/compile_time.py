@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 import planner
-from bench.compare import MODELS, build_example, log_methods
+from bench.compare import MODELS, build_example
+from bench.compare_measurement import log_methods
 from bench.docs_tables import refresh_quotes
 from bench.peers import machine, planner_revision
 from planner.compiled.optimize import plan_compiled_step
@@ -208,7 +209,7 @@ def main(argv: Sequence[str]) -> int:
     arguments = parser.parse_args(argv)
     if arguments.worker:
         kind, name, *rest = arguments.worker
-        # both sides compile the step as one graph (bench/compare.py, NOTE [log calls])
+        # both sides compile the step as one graph (bench/compare_measurement.py, NOTE [log calls])
         with torch._dynamo.config.patch(ignore_logger_methods=log_methods()):
             measured = WORKERS[kind](name, *map(int, rest))
         arguments.worker_out.write_text(json.dumps(measured))

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from bench import compare
+from bench.compare_measurement import compiler_settings, measure_candidate
 from bench.peers import machine, planner_revision
 from planner.profiler.measurement import default_loss
 from planner.testing.steps import variant_of
@@ -54,9 +55,9 @@ def variants(call: compare.ExampleCall, fraction: float) -> tuple[dict[str, torc
     one's measured peak in bytes."""
     reference = compare.one_step(variant_of(call.model), call.args, kwargs=call.kwargs)
     none = compare.fraction_candidate(call, 1.0)
-    baseline = compare.measure_candidate(none, call, reference)
+    baseline = measure_candidate(none, call, reference)
     peer = compare.fraction_candidate(call, fraction)
-    compare.measure_candidate(peer, call, baseline)
+    measure_candidate(peer, call, baseline)
     candidates = {"no checkpointing": none, f"compile budget {fraction:g}": peer}
     plans = compare.CompiledPlans(call)
     for solver in SOLVERS:
@@ -64,7 +65,7 @@ def variants(call: compare.ExampleCall, fraction: float) -> tuple[dict[str, torc
         ours = compare.our_candidate(plans, row)
         if ours is None:
             raise SystemExit(f"our {solver} plan at the peer's peak failed: {row.error}")
-        compare.measure_candidate(ours, call, baseline)
+        measure_candidate(ours, call, baseline)
         candidates[f"ours {solver}"] = ours
     modules = {name: candidate.variant.module for name, candidate in candidates.items()}
     peaks = {name: candidate.row.peak_bytes for name, candidate in candidates.items()}
@@ -141,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with compare.compiler_settings(), torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+        with compiler_settings(), torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
             call = compare.build_example(args.model, "cpu")
             modules, peaks = variants(call, args.fraction)
             kernel_ms = profiled_ms(modules, call, blocks=args.blocks, steps=args.steps)

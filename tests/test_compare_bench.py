@@ -1,4 +1,5 @@
-"""bench/compare.py's verdicts and tables (bench/compare_report.py) and its compiled-step measurement.
+"""bench/compare.py's verdicts and tables (bench/compare_report.py) and its compiled-step measurement
+(bench/compare_measurement.py).
 
 The benchmark itself runs for minutes and asserts nothing; these check what its tables say (the
 done-when verdict of each of our rows, the list of misses, the JSON round trip) and that the
@@ -21,6 +22,7 @@ from torch import nn
 
 import planner
 from bench import compare, peers
+from bench import compare_measurement as measurement
 from bench import compare_report as report
 from planner.testing.steps import one_step
 from planner.testing.zoo_real import ExampleCall
@@ -193,7 +195,7 @@ def tiny_call() -> ExampleCall:
 def test_allocator_events_count_an_eager_step_as_the_live_storage_tracker_does() -> None:
     call = tiny_call()
     tracked = planner.measure(copy.deepcopy(call.model), call.args).peak_bytes
-    counted = compare.allocator_step_memory(copy.deepcopy(call.model), call)
+    counted = measurement.allocator_step_memory(copy.deepcopy(call.model), call)
     assert counted.peak_bytes == tracked
     assert counted.ran_compiled is False
 
@@ -201,15 +203,15 @@ def test_allocator_events_count_an_eager_step_as_the_live_storage_tracker_does()
 def test_compiled_steps_run_compiled_code_and_match_the_eager_gradients() -> None:
     call = tiny_call()
     eager = one_step(call.model, call.args)
-    with compare.compiler_settings():
+    with measurement.compiler_settings():
         none = compare.fraction_candidate(call, 1.0)
-        compiled_reference = compare.measure_candidate(none, call, eager)
+        compiled_reference = measurement.measure_candidate(none, call, eager)
         least = compare.fraction_candidate(call, 0.0)
-        compare.measure_candidate(least, call, compiled_reference)
+        measurement.measure_candidate(least, call, compiled_reference)
     for row in (none.row, least.row):
         assert row.ran_compiled is True, f"{row.method}: the allocator count must come from a compiled step"
         assert row.gradients_equal is True, f"{row.method}: {row.gradient_mismatch}"
-        assert row.peak_bytes is not None and row.peak_bytes > compare.static_bytes(call.model, call)
+        assert row.peak_bytes is not None and row.peak_bytes > measurement.static_bytes(call.model, call)
     assert none.row.kept_after_forward_bytes is not None and least.row.kept_after_forward_bytes is not None
     assert least.row.kept_after_forward_bytes < none.row.kept_after_forward_bytes, (
         "activation_memory_budget=0 keeps less for backward than the default partition"

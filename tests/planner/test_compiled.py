@@ -299,7 +299,7 @@ def test_no_compiled_peer_measures_below_the_lowest_peak_we_plan() -> None:
     replay's storages were held through the trigger's whole backward, though a compiled backward frees
     each after its last reader (NOTE [early release] in simulation/step.py), and the loss and its seed
     gradient (8 bytes) were not counted."""
-    from bench.compare import budget_backend
+    from bench.compare_measurement import budget_backend
     from bench.peers import every_block_peer
 
     model, inputs = zoo.build_model("seed003_feedforward")

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench import compare
+from bench import compare, compare_plans
 from bench.compare_measurement import compiler_settings, measure_candidate
 from bench.peers import machine, planner_revision
 from planner.profiler.measurement import default_loss
@@ -59,10 +59,10 @@ def variants(call: compare.ExampleCall, fraction: float) -> tuple[dict[str, torc
     peer = compare.fraction_candidate(call, fraction)
     measure_candidate(peer, call, baseline)
     candidates = {"no checkpointing": none, f"compile budget {fraction:g}": peer}
-    plans = compare.CompiledPlans(call)
+    plans = compare_plans.CompiledPlans(call)
     for solver in SOLVERS:
-        row = compare.our_row(peer.row, solver)
-        ours = compare.our_candidate(plans, row)
+        row = compare_plans.our_row(peer.row, solver)
+        ours = compare_plans.our_candidate(plans, row)
         if ours is None:
             raise SystemExit(f"our {solver} plan at the peer's peak failed: {row.error}")
         measure_candidate(ours, call, baseline)

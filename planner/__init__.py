@@ -29,7 +29,7 @@ from planner.errors import (
     UnplannedStep,
     UnsupportedModel,
 )
-from planner.ir import TrainingStep
+from planner.ir import BudgetKind, CostModel, MemoryCounting, Sharding, TrainingStep
 from planner.planning.plan import Plan
 
 if TYPE_CHECKING:
@@ -40,15 +40,19 @@ if TYPE_CHECKING:
     from planner.sizing.capacity import Capacity, capacity
 
 __all__ = [
+    "BudgetKind",
     "Capacity",
+    "CostModel",
     "InfeasibleBudget",
     "InvalidGraph",
     "LargerShapeWarning",
     "MeasuredStep",
+    "MemoryCounting",
     "Plan",
     "PlannerError",
     "Profile",
     "ServiceError",
+    "Sharding",
     "TrainingStep",
     "UnplannedStep",
     "UnsupportedModel",

@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from planner.errors import InfeasibleBudget, ServiceError
-from planner.ir import ActivationGraph, BudgetKind, TrainingStep, breakdown_from
+from planner.ir import (
+    ActivationGraph,
+    BudgetKind,
+    CostModel,
+    MemoryCounting,
+    Sharding,
+    TrainingStep,
+    breakdown_from,
+)
 from planner.planning.plan import Plan
 from planner.serialize import graph_to_dict, schedule_from_dict
 from planner.simulation.allocator import AllocatorSettings
@@ -92,7 +100,7 @@ class PlannerClient:
         *,
         budget_bytes: int,
         solver: str = "auto",
-        budget_kind: str = "allocated",
+        budget_kind: BudgetKind | str = BudgetKind.ALLOCATED,
         allocator: AllocatorSettings | None = None,
     ) -> Plan:
         """Have the service solve `graph` for `budget_bytes` of `budget_kind` memory ("allocated" or
@@ -141,7 +149,7 @@ class PlannerClient:
     ) -> Plan:
         """`profile.plan(...)`, with the solve done by the service: the profile's graph is posted and
         the model rewritten here with the schedule that comes back."""
-        from planner.planning.model import budget_bytes_of
+        from planner.planning.arguments import budget_bytes_of
 
         budget = budget_bytes_of(budget_gb, budget_bytes)
         return profile.apply(self.plan_graph(profile.graph, budget_bytes=budget, solver=solver))
@@ -158,13 +166,13 @@ class PlannerClient:
         step: TrainingStep | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         solver: str = "auto",
-        cost_model: str = "measured",
+        cost_model: CostModel | str = CostModel.MEASURED,
         device: str | DeviceSpec | None = None,
         world_size: int = 1,
-        sharding: str = "ddp",
+        sharding: Sharding | str = Sharding.DDP,
         compile: bool = False,
-        memory_counting: str = "blocks",
-        budget_kind: str | None = None,
+        memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
+        budget_kind: BudgetKind | str | None = None,
         allocator_conf: str | None = None,
     ) -> Plan:
         """`planner.optimize`, with the solve done by the service: the same arguments, checked the same
@@ -172,7 +180,8 @@ class PlannerClient:
         achievable peak). `compile=True` is refused: the compiled step is planned inside inductor's
         partitioner, in the process that compiles (planner/compiled/optimize.py)."""
         # Imported here so that `plan_graph` works where torch is not installed.
-        from planner.one_call import allocator_settings_of, budget_and_card, on_card
+        from planner.one_call import on_card
+        from planner.planning.arguments import allocator_settings_of, budget_and_card
         from planner.planning.model import profile
         from planner.solvers import check_solver
 

@@ -40,6 +40,7 @@ __all__ = [
     "Region",
     "RegionPolicy",
     "Schedule",
+    "Sharding",
     "SimulationResult",
     "StaticBytes",
     "TraceStep",
@@ -76,6 +77,17 @@ class CostModel(StrEnum):
     ANALYTIC = "analytic"
     """FLOPs and bytes on a roofline of a named device (profiler/cost_model.py); `timing` reads
     "analytic (<device>)"."""
+
+
+class Sharding(StrEnum):
+    """How data-parallel training places parameters, gradients and optimizer state (`sharding=` of
+    optimize and profile; profiler/sharding.py counts a rank's bytes under each). Members are their
+    string values."""
+
+    DDP = "ddp"
+    """Replicated on every rank (DistributedDataParallel), plus DDP's gradient buckets."""
+    FSDP = "fsdp"
+    """Split across ranks (FULL_SHARD, FSDP2 fully_shard), one unit gathered at a time."""
 
 
 BLOCK_BYTES = 512

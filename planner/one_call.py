@@ -7,23 +7,23 @@ torch-free counterpart, for a graph captured elsewhere, is planning/graph.py (`p
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from planner.ir import BudgetKind, TrainingStep
-from planner.planning.graph import Frontier
-from planner.planning.model import (
-    budget_bytes_of,
+from planner.ir import BudgetKind, CostModel, MemoryCounting, Sharding, TrainingStep
+from planner.planning.arguments import (
+    allocator_settings_of,
+    budget_and_card,
     example_call,
     memory_counting_of,
-    profile,
     training_step_of,
 )
+from planner.planning.graph import Frontier
+from planner.planning.model import profile
 from planner.planning.plan import Plan
-from planner.profiler.cost_model import DeviceSpec, device_spec
+from planner.profiler.cost_model import DeviceSpec
 from planner.profiler.measurement import (
     MeasuredStep,
     OptimizerSpec,
@@ -31,7 +31,6 @@ from planner.profiler.measurement import (
     default_loss,
     measure_step,
 )
-from planner.simulation.allocator import AllocatorSettings
 from planner.solvers import check_solver
 
 __all__ = ["measure", "optimize", "pareto"]
@@ -48,13 +47,13 @@ def optimize(
     step: TrainingStep | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver: str = "auto",
-    cost_model: str = "measured",
+    cost_model: CostModel | str = CostModel.MEASURED,
     device: str | DeviceSpec | None = None,
     world_size: int = 1,
-    sharding: str = "ddp",
+    sharding: Sharding | str = Sharding.DDP,
     compile: bool = False,
-    memory_counting: str = "blocks",
-    budget_kind: str | None = None,
+    memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
+    budget_kind: BudgetKind | str | None = None,
     allocator_conf: str | None = None,
 ) -> Plan:
     """Plan activation checkpointing so one training step of `model` fits the budget:
@@ -134,26 +133,6 @@ def optimize(
     return on_card(plan, card)
 
 
-def allocator_settings_of(allocator_conf: str | None) -> AllocatorSettings:
-    """The caching allocator's settings from `allocator_conf`, by default from this process's
-    PYTORCH_CUDA_ALLOC_CONF (or its newer name, PYTORCH_ALLOC_CONF)."""
-    if allocator_conf is None:
-        allocator_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF", "")
-    return AllocatorSettings.from_conf(allocator_conf)
-
-
-def budget_and_card(
-    budget_gb: float | None, budget_bytes: int | None, device: str | DeviceSpec | None
-) -> tuple[int, DeviceSpec | None]:
-    """The budget given, or without one the usable memory of the card `device` names (its memory less
-    what is held back, NOTE [held back] in profiler/cost_model.py) and that card."""
-    if budget_gb is None and budget_bytes is None and device is not None:
-        spec = device_spec(device)
-        if spec.usable_memory_bytes is not None:
-            return spec.usable_memory_bytes, spec
-    return budget_bytes_of(budget_gb, budget_bytes), None
-
-
 def on_card(plan: Plan, card: DeviceSpec | None) -> Plan:
     """`plan`, saying which card's memory set its budget."""
     if card is not None:
@@ -207,11 +186,11 @@ def pareto(
     step: TrainingStep | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver: str = "auto",
-    cost_model: str = "measured",
+    cost_model: CostModel | str = CostModel.MEASURED,
     device: str | DeviceSpec | None = None,
     world_size: int = 1,
-    sharding: str = "ddp",
-    memory_counting: str = "blocks",
+    sharding: Sharding | str = Sharding.DDP,
+    memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
 ) -> Frontier:
     """Predicted (peak, recompute) frontier over budgets, from one captured and profiled graph.
 

@@ -4,7 +4,8 @@ Stage 7 of planner/'s packages (docs/layout.md). It owns what a caller plans wit
 `SolvedPlan` with the profiled step it was solved on and the methods that solve it again or show it
 (`plan`); solving a captured graph at one budget or many, `plan_graph`, `pareto_frontier` and `Frontier`
 (`graph`); and `profile`/`Profile`, a model captured, profiled and sharded once, then solved and
-rewritten at any budget, with the checks of the user's arguments (`model`).
+rewritten at any budget (`model`); and the checks of the user's arguments that every way in shares,
+where string options become the enums of ir.py (`arguments`).
 
 It may import every earlier stage: the contract, planner.simulation, planner.capture, planner.profiler,
 planner.solvers, planner.rewrite and planner.report. `plan` and `graph` never import torch at import

@@ -42,7 +42,7 @@ def plan_graph(
     *,
     budget_bytes: int,
     solver: str = "auto",
-    budget_kind: str = BudgetKind.ALLOCATED,
+    budget_kind: BudgetKind | str = BudgetKind.ALLOCATED,
     allocator: AllocatorSettings | None = None,
 ) -> Plan:
     """Solve an already captured graph (torch-free): a Plan without a module. `budget_kind` says what
@@ -77,7 +77,7 @@ def plan_graph(
     )
 
 
-def budget_kind_of(budget_kind: str | BudgetKind, graph: ActivationGraph) -> BudgetKind:
+def budget_kind_of(budget_kind: BudgetKind | str, graph: ActivationGraph) -> BudgetKind:
     """The checked `budget_kind` argument for `graph`: reserved memory is a GPU's, so it needs a graph
     counted in 512-byte blocks, as the caching allocator counts."""
     try:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,19 +45,36 @@ from torch.utils._pytree import tree_map
 from planner.capture.chain import candidate_units, capture
 from planner.capture.model_call import capture_model_call
 from planner.capture.records import Capture, call_shapes
-from planner.errors import GIB, LargerShapeWarning, UnsupportedModel, format_bytes
-from planner.ir import GLUE_OP, ActivationGraph, BudgetKind, CostModel, MemoryCounting, Schedule, TrainingStep
+from planner.errors import LargerShapeWarning, UnsupportedModel, format_bytes
+from planner.ir import (
+    GLUE_OP,
+    ActivationGraph,
+    BudgetKind,
+    CostModel,
+    MemoryCounting,
+    Schedule,
+    Sharding,
+    TrainingStep,
+)
+from planner.planning.arguments import (
+    budget_bytes_of,
+    cost_model_of,
+    example_call,
+    memory_counting_of,
+    refuse_sharded_model,
+    sharding_of,
+    training_step_of,
+)
 from planner.planning.graph import Frontier, pareto_frontier, plan_graph
 from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.interpreter import LOSS_NODE, build_activation_graph
 from planner.profiler.measurement import OptimizerSpec, default_loss, tensors_in
-from planner.profiler.sharding import Sharding, shard_graph
+from planner.profiler.sharding import shard_graph
 from planner.report.blocks import longest_block_stack
 from planner.rewrite.emit import (
     AUTOCAST_DEVICES,
     add_forward_pre_hook,
-    fully_sharded_modules,
     guard_gradients,
     rewrite,
 )
@@ -79,12 +95,8 @@ __all__ = [
     "FSDP_UNITS_REASON",
     "Profile",
     "ProfileSettings",
-    "budget_bytes_of",
-    "example_call",
     "fsdp_unit_bytes",
-    "memory_counting_of",
     "profile",
-    "training_step_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -102,7 +114,7 @@ class ProfileSettings:
     optimizer: OptimizerSpec
     step: TrainingStep
     loss_fn: Callable[[Any], torch.Tensor]
-    cost_model: str
+    cost_model: CostModel
     device: str | DeviceSpec | None
     world_size: int
     sharding: Sharding
@@ -158,7 +170,7 @@ class Profile:
         budget_gb: float | None = None,
         budget_bytes: int | None = None,
         solver: str = "auto",
-        budget_kind: str | None = None,
+        budget_kind: BudgetKind | str | None = None,
         allocator: AllocatorSettings | None = None,
     ) -> Plan:
         """The plan with the least predicted recompute whose predicted peak fits the budget, with its
@@ -355,11 +367,11 @@ def profile(
     optimizer: OptimizerSpec = "adam",
     step: TrainingStep | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    cost_model: str = "measured",
+    cost_model: CostModel | str = CostModel.MEASURED,
     device: str | DeviceSpec | None = None,
     world_size: int = 1,
-    sharding: str = "ddp",
-    memory_counting: str = "blocks",
+    sharding: Sharding | str = Sharding.DDP,
+    memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
 ) -> Profile:
     """Capture `model` and profile one training step of it; plan with `.plan(budget_gb=...)`.
 
@@ -371,23 +383,23 @@ def profile(
         optimizer=optimizer,
         step=training_step_of(step),
         loss_fn=loss_fn or default_loss,
-        cost_model=cost_model,
+        cost_model=cost_model_of(cost_model),
         device=device,
         world_size=world_size,
-        sharding=_sharding(world_size, sharding),
+        sharding=sharding_of(world_size, sharding),
         autocast=_autocast_now(),
         memory_counting=memory_counting_of(memory_counting),
     )
-    _refuse_sharded_model(model)
+    refuse_sharded_model(model)
     args = example_call(example_inputs, example_kwargs)
     kwargs = dict(example_kwargs or {})
-    if settings.sharding is Sharding.FSDP and cost_model == CostModel.MEASURED:
+    if settings.sharding is Sharding.FSDP and settings.cost_model is CostModel.MEASURED:
         return _profile_units(model, args, kwargs, settings, reason=FSDP_UNITS_REASON)
     started = time.perf_counter()
     try:
         captured = capture(model, args, kwargs)
     except UnsupportedModel as unsupported:
-        if cost_model != CostModel.MEASURED:
+        if settings.cost_model is not CostModel.MEASURED:
             raise
         log.info("%s; planning by submodules", unsupported)
         return _profile_units(model, args, kwargs, settings, reason=str(unsupported))
@@ -399,7 +411,7 @@ def profile(
         loss_fn=settings.loss_fn,
         optimizer=optimizer,
         step=settings.step,
-        cost_model=cost_model,
+        cost_model=settings.cost_model,
         device=device,
         memory_counting=settings.memory_counting,
     )
@@ -482,94 +494,6 @@ def _check_units(model: torch.nn.Module, graph: ActivationGraph, reason: str) ->
         )
 
 
-def budget_bytes_of(budget_gb: float | None, budget_bytes: int | None) -> int:
-    """The checked budget in bytes: exactly one of `budget_gb` (GiB) or `budget_bytes`, positive."""
-    if (budget_gb is None) == (budget_bytes is None):
-        raise ValueError(
-            f"give exactly one of budget_gb (GiB, 2**30 bytes) or budget_bytes; got budget_gb={budget_gb!r}, "
-            f"budget_bytes={budget_bytes!r} (optimize also takes a card's memory: device='h100-80gb')"
-        )
-    if budget_gb is not None:
-        if (
-            isinstance(budget_gb, bool)
-            or not isinstance(budget_gb, int | float)
-            or not math.isfinite(budget_gb)
-        ):
-            raise TypeError(f"budget_gb must be a finite number of GiB, got {budget_gb!r}")
-        if budget_gb <= 0:
-            raise ValueError(f"budget_gb must be positive, got {budget_gb!r}")
-        return int(budget_gb * GIB)
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
-        raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__} {budget_bytes!r}")
-    if budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be positive, got {budget_bytes!r}")
-    return budget_bytes
-
-
-def _example_inputs(example_inputs: Any) -> tuple[Any, ...]:
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    if isinstance(example_inputs, Sequence) and not isinstance(example_inputs, str):
-        if not any(isinstance(value, torch.Tensor) for value in example_inputs):
-            raise TypeError("example_inputs holds no tensor; pass the tensors the model's forward takes")
-        return tuple(example_inputs)
-    raise TypeError(
-        f"example_inputs must be a tensor or a tuple/list of the forward's positional arguments, "
-        f"got {type(example_inputs).__name__}; pass keyword arguments as example_kwargs={{...}}"
-    )
-
-
-def example_call(example_inputs: Any, example_kwargs: Mapping[str, Any] | None) -> tuple[Any, ...]:
-    """Positional example inputs, checked; with keyword inputs, positional ones may be empty."""
-    if example_kwargs is None:
-        return _example_inputs(example_inputs)
-    if not isinstance(example_kwargs, Mapping):
-        raise TypeError(
-            f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}"
-        )
-    if example_inputs is None or (isinstance(example_inputs, Sequence) and len(example_inputs) == 0):
-        if not tensors_in(example_kwargs):
-            raise TypeError("example_kwargs holds no tensor; pass the tensors the model's forward takes")
-        return ()
-    return _example_inputs(example_inputs)
-
-
-def training_step_of(step: TrainingStep | None) -> TrainingStep:
-    """The checked `step` argument: a TrainingStep, or None for one micro-batch."""
-    if step is None:
-        return TrainingStep()
-    if not isinstance(step, TrainingStep):
-        raise TypeError(
-            f"step must be a planner.TrainingStep, got {type(step).__name__} {step!r}; e.g. "
-            "step=planner.TrainingStep(accumulation_steps=4, max_grad_norm=1.0)"
-        )
-    return step
-
-
-def _refuse_sharded_model(model: torch.nn.Module) -> None:
-    """Profiling a model that fully_shard already wraps would plan DTensor shards and run collectives."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    sharded = fully_sharded_modules(model)
-    if sharded:
-        raise UnsupportedModel(
-            f"fully_shard (FSDP2) already wraps {sharded[0] or 'the model'!r}: plan the unsharded model. "
-            "Call plan = planner.optimize(model, ..., sharding='fsdp') first, then fully_shard each block "
-            "of plan.module and plan.module itself."
-        )
-
-
-def _sharding(world_size: int, sharding: str) -> Sharding:
-    """The checked `world_size` and `sharding` arguments."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int (ranks of data parallelism), got {world_size!r}")
-    try:
-        return Sharding(sharding)
-    except ValueError as error:
-        choices = [member.value for member in Sharding]
-        raise ValueError(f"sharding={sharding!r} is not known; use one of {choices}") from error
-
-
 def fsdp_unit_bytes(model: torch.nn.Module, counting: MemoryCounting = MemoryCounting.BLOCKS) -> int:
     """Parameter bytes of the largest unit FSDP gathers at once: a block of the model's longest
     ModuleList/Sequential (where one calls `fully_shard` per block), or the parameters outside the
@@ -591,16 +515,3 @@ def _parameter_bytes(module: torch.nn.Module, seen: set[int], counting: MemoryCo
             seen.add(id(parameter))
             total += counting.of(parameter.numel() * parameter.element_size())
     return total
-
-
-def memory_counting_of(memory_counting: str | MemoryCounting) -> MemoryCounting:
-    """The checked `memory_counting` argument."""
-    try:
-        return MemoryCounting(memory_counting)
-    except ValueError as error:
-        choices = [member.value for member in MemoryCounting]
-        raise ValueError(
-            f"memory_counting={memory_counting!r} is not known; use one of {choices}: 'blocks' counts each "
-            "tensor as CUDA's caching allocator does (the default, right for GPUs), 'exact' its own bytes "
-            "(for training on the CPU)"
-        ) from error

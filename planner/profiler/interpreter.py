@@ -334,9 +334,9 @@ def _profile_step(
     def on_gradient(target: torch.Tensor) -> Callable[[torch.Tensor], None]:
         def hook(gradient: torch.Tensor) -> None:
             if clock.current is not None:
-                interpreter.records[
-                    clock.current
-                ].parameter_gradient_bytes += counted_bytes(gradient.untyped_storage().nbytes())
+                interpreter.records[clock.current].parameter_gradient_bytes += counted_bytes(
+                    gradient.untyped_storage().nbytes()
+                )
 
         return hook
 
@@ -433,7 +433,7 @@ def build_activation_graph(
     loss_fn: Callable[[Any], torch.Tensor],
     optimizer: OptimizerSpec,
     step: TrainingStep | None = None,
-    cost_model: str = "measured",
+    cost_model: CostModel = CostModel.MEASURED,
     device: str | DeviceSpec | None = None,
     memory_counting: MemoryCounting = MemoryCounting.BLOCKS,
 ) -> ActivationGraph:
@@ -457,7 +457,7 @@ def _profiled_graph(
     loss_fn: Callable[[Any], torch.Tensor],
     optimizer: OptimizerSpec,
     step: TrainingStep | None,
-    cost_model: str,
+    cost_model: CostModel,
     device: str | DeviceSpec | None,
 ) -> ActivationGraph:
     """`build_activation_graph` inside its counting scope (NOTE [counting scope] in measurement.py)."""
@@ -572,15 +572,11 @@ def _forbid_replaying_mutated_inputs(interpreter: _ProfilingInterpreter) -> None
 
 
 def _cost_spec(
-    model: torch.nn.Module, inputs: tuple[Any, ...], cost_model: str, device: str | DeviceSpec | None
+    model: torch.nn.Module, inputs: tuple[Any, ...], cost_model: CostModel, device: str | DeviceSpec | None
 ) -> DeviceSpec | None:
     """The device spec of the analytic cost model, or None to measure times."""
     on_meta = any(t.is_meta for t in [*model.parameters(), *tensors_in(inputs)])
-    try:
-        chosen = CostModel(cost_model)
-    except ValueError as error:
-        raise ValueError(f"cost_model={cost_model!r} is not known; use 'measured' or 'analytic'") from error
-    if chosen is CostModel.MEASURED:
+    if cost_model is CostModel.MEASURED:
         if on_meta:
             raise ValueError(
                 "a model on the meta device cannot be timed; pass cost_model='analytic' and the "

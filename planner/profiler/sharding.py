@@ -23,20 +23,10 @@ figures are predictions with the stated model, and `world_size=1` leaves a graph
 from __future__ import annotations
 
 import dataclasses
-from enum import Enum
 
-from planner.ir import ActivationGraph
+from planner.ir import ActivationGraph, Sharding
 
-__all__ = ["Sharding", "shard_graph"]
-
-
-class Sharding(Enum):
-    """How data-parallel training places parameters, gradients and optimizer state."""
-
-    DDP = "ddp"
-    """Replicated on every rank (DistributedDataParallel), plus DDP's gradient buckets."""
-    FSDP = "fsdp"
-    """Split across ranks (FULL_SHARD, FSDP2 fully_shard), one unit gathered at a time."""
+__all__ = ["shard_graph"]
 
 
 def _per_rank(size_bytes: int, world_size: int) -> int:

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from planner.errors import format_bytes
-from planner.ir import CostModel, TrainingStep
-from planner.planning.model import budget_bytes_of, memory_counting_of, training_step_of
+from planner.ir import CostModel, MemoryCounting, TrainingStep
+from planner.planning.arguments import budget_bytes_of, cost_model_of, memory_counting_of, training_step_of
 from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.measurement import OptimizerSpec
@@ -378,13 +378,13 @@ def capacity(
     autocast: torch.dtype | None = None,
     step: TrainingStep | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    cost_model: str | None = None,
+    cost_model: CostModel | str | None = None,
     solver: str = "auto",
     global_batch: int | None = None,
     search: str = "bisect",
     reuse_captures: bool | None = None,
     progress: ProgressCallback | None = None,
-    memory_counting: str = "blocks",
+    memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
 ) -> Capacity:
     """The largest batch or sequence whose training step fits, with and without checkpointing.
 
@@ -423,8 +423,9 @@ def capacity(
         raise TypeError(f"make_inputs must be a function of the sizes, got {type(make_inputs).__name__}")
     if make_inputs is None and isinstance(model, torch.nn.Module):
         raise TypeError("give make_inputs(**sizes) -> example inputs with a model (or pass a factory)")
-    chosen_cost_model = cost_model or (CostModel.ANALYTIC if device is not None else CostModel.MEASURED)
-    reuse = chosen_cost_model == CostModel.ANALYTIC if reuse_captures is None else reuse_captures
+    default_cost_model = CostModel.ANALYTIC if device is not None else CostModel.MEASURED
+    chosen_cost_model = default_cost_model if cost_model is None else cost_model_of(cost_model)
+    reuse = chosen_cost_model is CostModel.ANALYTIC if reuse_captures is None else reuse_captures
     settings = Settings(
         optimizer=optimizer,
         step=training_step_of(step),

@@ -73,7 +73,7 @@ class Settings:
     optimizer: OptimizerSpec
     step: TrainingStep
     loss_fn: Callable[[Any], torch.Tensor] | None
-    cost_model: str
+    cost_model: CostModel
     device: str | DeviceSpec | None
     autocast: torch.dtype | None
     solver: str

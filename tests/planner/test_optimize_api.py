@@ -134,3 +134,42 @@ def test_replan_solves_the_same_profile_at_another_budget_and_solver(mlp) -> Non
         first.replan(budget_bytes=first.min_peak_bytes - 1)
     with pytest.raises(ValueError, match="no model to rewrite"):
         planner.Plan.from_json(first.to_json()).replan(budget_gb=1)
+
+
+def test_string_options_are_their_enums() -> None:
+    """cost_model, sharding, memory_counting and budget_kind take the enums of planner (which are their
+    strings) as well as the strings, and plan the same either way."""
+    model, inputs = build_model("seed000_mlp")
+    by_string = planner.optimize(
+        model, inputs, budget_bytes=2**40, cost_model="analytic", device="h100", world_size=2,
+        sharding="fsdp", memory_counting="exact", budget_kind="allocated",
+    )  # fmt: skip
+    by_enum = planner.optimize(
+        model, inputs, budget_bytes=2**40, cost_model=planner.CostModel.ANALYTIC, device="h100",
+        world_size=2, sharding=planner.Sharding.FSDP, memory_counting=planner.MemoryCounting.EXACT,
+        budget_kind=planner.BudgetKind.ALLOCATED,
+    )  # fmt: skip
+    assert by_enum.predicted_peak_bytes == by_string.predicted_peak_bytes
+    assert by_enum.graph.static == by_string.graph.static
+    assert by_enum.graph.memory_counting is planner.MemoryCounting.EXACT
+    assert by_enum.budget_kind is planner.BudgetKind.ALLOCATED
+
+
+class _UntracedForward(torch.nn.Module):
+    """A model no option check may reach: running its forward fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the model ran before its options were checked")
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("cost_model", "fast"), ("sharding", "zero3"), ("memory_counting", "pages")],
+)
+def test_an_unknown_option_is_refused_by_name_before_the_model_runs(option: str, value: str) -> None:
+    with pytest.raises(ValueError, match=f"{option}='{value}' is not known; use "):
+        planner.profile(_UntracedForward(), torch.randn(2, 4), **{option: value})

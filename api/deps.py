@@ -13,10 +13,10 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.jobs import JobStore
-from api.metrics import ServiceMetrics
-from api.settings import Settings
-from api.worker import JobRunner, WorkerPool
+from .jobs import JobStore
+from .metrics import ServiceMetrics
+from .settings import Settings
+from .worker import JobRunner, WorkerPool
 
 __all__ = [
     "MetricsDep",

@@ -21,10 +21,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from api.jobs import JobError
-from api.schemas import ErrorItem, ErrorResponse
-from api.worker import JobFailed, QueueFull
 from planner.errors import InvalidGraph, PlannerError
+
+from .jobs import JobError
+from .schemas import ErrorItem, ErrorResponse
+from .worker import JobFailed, QueueFull
 
 __all__ = ["install_error_handlers"]
 

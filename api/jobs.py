@@ -33,9 +33,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from api.databases import Database, Rows, Run, open_database
 from planner.errors import InfeasibleBudget, InvalidGraph, PlannerError
 from planner.ir import breakdown_to_json
+
+from .databases import Database, Rows, Run, open_database
 
 __all__ = ["Job", "JobError", "JobStatus", "JobStore", "canonical_json", "request_key"]
 

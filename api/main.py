@@ -21,14 +21,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
-from api.errors import install_error_handlers
-from api.jobs import JobStore
-from api.limits import BodySizeLimit
-from api.metrics import ServiceMetrics
-from api.routers import health, metrics, pareto, plans
-from api.settings import Settings
-from api.solve_process import start_forkserver
-from api.worker import JobRunner, SolveLimits, WorkerPool
+from .errors import install_error_handlers
+from .jobs import JobStore
+from .limits import BodySizeLimit
+from .metrics import ServiceMetrics
+from .routers import health, metrics, pareto, plans
+from .settings import Settings
+from .solve_process import start_forkserver
+from .worker import JobRunner, SolveLimits, WorkerPool
 
 __all__ = ["create_app"]
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.jobs import Job, JobStatus
+from .jobs import Job, JobStatus
 
 __all__ = ["ServiceMetrics", "job_outcome"]
 

@@ -17,7 +17,6 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from api.jobs import Job, JobError, JobStatus
 from planner.ir import (
     GRAPH_SCHEMA,
     PLAN_SCHEMA,
@@ -33,6 +32,8 @@ from planner.planning.graph import Frontier
 from planner.serialize import schedule_to_dict
 from planner.simulation.allocator import AllocatorSettings
 from planner.solvers import SOLVERS
+
+from .jobs import Job, JobError, JobStatus
 
 __all__ = [
     "ErrorItem",

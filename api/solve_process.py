@@ -32,8 +32,9 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from multiprocessing.connection import Connection
 
-from api.jobs import JobError
 from planner.errors import PlannerError
+
+from .jobs import JobError
 
 __all__ = ["ChildEnding", "ChildOutcome", "SolveTarget", "run_bounded", "start_forkserver"]
 
@@ -44,8 +45,10 @@ SolveTarget = Callable[[str], str]
 
 ANSWER_RESULT = b"R"
 ANSWER_ERROR = b"E"
-PRELOADED_MODULES = ["api.solve_targets"]
-"""Imported once by the forkserver, so that every child starts with the solvers loaded."""
+PRELOADED_MODULES = [__name__.rpartition(".")[0] + ".solve_targets"]
+"""Imported once by the forkserver, so that every child starts with the solvers loaded. Named from this
+module's package (planner_service), not spelled out: the forkserver ignores an ImportError in its
+preload, so a wrong name would go unnoticed and every solve would import the solvers again."""
 EXIT_ORPHANED = 3
 """A child's exit status when it stopped because its server died."""
 CHECK_INTERVAL_S = 0.05

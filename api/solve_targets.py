@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 
-from api.schemas import ParetoView
 from planner.planning.graph import pareto_frontier, plan_graph
 from planner.serialize import graph_from_dict
 from planner.simulation.allocator import AllocatorSettings
+
+from .schemas import ParetoView
 
 __all__ = ["solve_pareto", "solve_plan"]
 

@@ -32,12 +32,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from api.jobs import TERMINAL, Job, JobError, JobStore, canonical_json, request_key
-from api.solve_process import ChildEnding, ChildOutcome, run_bounded
-from api.solve_targets import solve_pareto, solve_plan
 from planner.errors import PlannerError
 from planner.ir import ActivationGraph, BudgetKind
 from planner.serialize import graph_to_dict
+
+from .jobs import TERMINAL, Job, JobError, JobStore, canonical_json, request_key
+from .solve_process import ChildEnding, ChildOutcome, run_bounded
+from .solve_targets import solve_pareto, solve_plan
 
 __all__ = ["JobFailed", "JobRunner", "PlanJob", "QueueFull", "SolveLimits", "Submission", "WorkerPool"]
 

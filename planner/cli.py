@@ -12,8 +12,8 @@ terminal and a line with their duration on stderr; `--quiet` prints nothing but 
 imported only by the commands that load a model, so `planner report` works without it.
 
 The CLI defines no logic of its own: each command parses options and calls the public API. `serve`
-runs the REST service (the `api` package, imported only when the command runs, so that other commands
-and `import planner.cli` do not need the service's dependencies).
+runs the REST service (the package `planner_service`, installed from the folder api/, imported only when
+the command runs, so that other commands and `import planner.cli` do not need the service's dependencies).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def serve(
     """Run the solver service (REST API, OpenAPI docs at /docs) under uvicorn."""
     import uvicorn
 
-    from api.main import create_app
-    from api.settings import Settings
+    from planner_service.main import create_app
+    from planner_service.settings import Settings
 
     overrides: dict[str, Any] = {"db": db, "workers": workers}
     settings = Settings(**{key: value for key, value in overrides.items() if value is not None})

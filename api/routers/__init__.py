@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.schemas import ErrorResponse
+from ..schemas import ErrorResponse
 
 __all__ = ["error_responses"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from api.deps import PoolDep, StoreDep
-from api.schemas import HealthView, ReadyView
+from ..deps import PoolDep, StoreDep
+from ..schemas import HealthView, ReadyView
 
 __all__ = ["router"]
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.deps import MetricsDep, PoolDep
+from ..deps import MetricsDep, PoolDep
 
 __all__ = ["router"]
 

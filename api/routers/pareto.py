@@ -12,12 +12,13 @@ import asyncio
 
 from fastapi import APIRouter, Depends, HTTPException
 
-from api.deps import RunnerDep, SettingsDep, require_token
-from api.jobs import canonical_json
-from api.routers import error_responses
-from api.schemas import ParetoRequest, ParetoView
 from planner.serialize import graph_to_dict
 from planner.validate import validate_graph
+
+from ..deps import RunnerDep, SettingsDep, require_token
+from ..jobs import canonical_json
+from ..schemas import ParetoRequest, ParetoView
+from . import error_responses
 
 __all__ = ["router"]
 

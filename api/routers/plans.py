@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, HTTPException, Response
 
-from api.deps import RunnerDep, SettingsDep, StoreDep, require_token
-from api.jobs import TERMINAL, Job, JobStatus
-from api.routers import error_responses
-from api.schemas import JobView, PlanRequest, job_json
-from api.worker import JobFailed, PlanJob
 from planner.errors import GraphProblem, InvalidGraph
 from planner.ir import BudgetKind, MemoryCounting
 from planner.validate import validate_graph
+
+from ..deps import RunnerDep, SettingsDep, StoreDep, require_token
+from ..jobs import TERMINAL, Job, JobStatus
+from ..schemas import JobView, PlanRequest, job_json
+from ..worker import JobFailed, PlanJob
+from . import error_responses
 
 __all__ = ["router"]
 

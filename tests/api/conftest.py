@@ -15,8 +15,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.main import create_app
-from api.settings import Settings
+from planner_service.main import create_app
+from planner_service.settings import Settings
 from tests.api.postgres_server import fresh_database, running_postgres, why_unavailable
 
 

@@ -7,6 +7,7 @@ project's 2-core machine (it stops at ILP_TIME_LIMIT_S = 10 s), far past the lim
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import threading
@@ -17,9 +18,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.jobs import JobStatus, JobStore, canonical_json
-from api.main import create_app
-from api.settings import Settings
+from planner_service import solve_targets
+from planner_service.jobs import JobStatus, JobStore, canonical_json
+from planner_service.main import create_app
+from planner_service.settings import Settings
+from planner_service.solve_process import PRELOADED_MODULES
 from tests.api.service_helpers import (
     SLOW_BUDGET_BYTES,
     middle_budget,
@@ -40,6 +43,13 @@ def job_in(
     job: dict[str, Any] = client.get(f"/v1/plans/{job_id}").json()
     matches = job["status"] == status and (attempts is None or job["attempts"] == attempts)
     return job if matches else None
+
+
+def test_the_forkserver_preloads_the_module_the_solves_run_from() -> None:
+    # The forkserver ignores an ImportError in its preload: a wrong name (api.solve_targets, the folder's
+    # name) would pass every other test and only make each solve import the solvers again.
+    preloaded = [importlib.import_module(name) for name in PRELOADED_MODULES]
+    assert solve_targets in preloaded, PRELOADED_MODULES
 
 
 def test_a_solve_past_the_time_limit_fails_with_its_reason_and_frees_its_worker(database: str) -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from api.jobs import JobError, JobStatus, JobStore, canonical_json, request_key
-from api.worker import JobRunner, PlanJob, QueueFull, WorkerPool
+from planner_service.jobs import JobError, JobStatus, JobStore, canonical_json, request_key
+from planner_service.worker import JobRunner, PlanJob, QueueFull, WorkerPool
 from tests.api.service_helpers import middle_budget, small_graph
 
 REQUEST = canonical_json({"graph": {"schema": "planner.graph/v1"}, "budget_bytes": 5, "solver": "dp"})
@@ -22,7 +22,8 @@ LEASE_S = 30.0
 
 def test_jobs_and_worker_do_not_import_fastapi() -> None:
     code = (
-        "import sys, api.jobs, api.worker; sys.exit('fastapi' in sys.modules or 'starlette' in sys.modules)"
+        "import sys, planner_service.jobs, planner_service.worker; "
+        "sys.exit('fastapi' in sys.modules or 'starlette' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 

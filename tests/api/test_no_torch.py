@@ -13,8 +13,8 @@ def test_serving_a_plan_and_a_frontier_never_imports_torch(tmp_path) -> None:  #
         import sys
         from fastapi.testclient import TestClient
         import planner.cli
-        from api.main import create_app
-        from api.settings import Settings
+        from planner_service.main import create_app
+        from planner_service.settings import Settings
         from planner.client import PlannerClient
         from planner.serialize import graph_to_dict
         from planner.testing.synthetic_graphs import residual_graph

@@ -13,14 +13,14 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from api.deps import get_runner, get_settings
-from api.jobs import JobStore
-from api.main import create_app
-from api.settings import Settings
-from api.worker import JobRunner, WorkerPool
 from planner.ir import Node
 from planner.planning.plan import Plan
 from planner.serialize import graph_to_dict
+from planner_service.deps import get_runner, get_settings
+from planner_service.jobs import JobStore
+from planner_service.main import create_app
+from planner_service.settings import Settings
+from planner_service.worker import JobRunner, WorkerPool
 from tests.api.service_helpers import middle_budget, plan_body, small_graph
 
 GRAPH = small_graph()

@@ -63,7 +63,7 @@ def _row(database_url: str, job_id: str) -> tuple[str, str | None, int]:
 
 
 def _owner_pid(owner: str) -> int:
-    """The pid inside a runner's name (host:pid:nonce, see api.worker.runner_identity)."""
+    """The pid inside a runner's name (host:pid:nonce, see planner_service.worker.runner_identity)."""
     return int(owner.split(":")[1])
 
 

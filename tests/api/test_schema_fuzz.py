@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from pydantic import SecretStr
 from schemathesis.checks import positive_data_acceptance
 
-from api.main import create_app
-from api.settings import Settings
+from planner_service.main import create_app
+from planner_service.settings import Settings
 
 TOKEN = "fuzz-token"
 EXAMPLES_PER_OPERATION = 20

@@ -18,6 +18,7 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin planner \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY planner ./planner
+# api/ installs as the package planner_service (pyproject.toml's package-dir), not as a top-level api
 COPY api ./api
 
 # The project without its torch dependency, then the `service` extra read from pyproject.toml (one list).

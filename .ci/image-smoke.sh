@@ -65,6 +65,9 @@ if [ -z "${BUILD_ARGS:-}" ]; then
   podman exec "$NAME" python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)" \
     || { echo "image-smoke: torch is installed in an image built without WITH_TORCH=1" >&2; exit 1; }
 fi
+# What pip installed, seen from outside /app (whose copied sources python -c would find first)
+podman exec -w / "$NAME" python -c "import importlib.util as u, sys; sys.exit(u.find_spec('api') is not None or u.find_spec('planner_service') is None)" \
+  || { echo "image-smoke: the image installs a top-level api, or no planner_service" >&2; exit 1; }
 
 # One plan, posted from outside: a 41-node graph with a budget halfway between its lowest and baseline peaks.
 podman exec "$NAME" python -c "

@@ -6,13 +6,17 @@
     model = plan.module
     print(planner.capacity(model, make_inputs, batch=range(1, 513), device="a100-40gb"))
 
-The flow is capture (capture/) -> activation graph (profiler/) -> solve (solvers/) ->
-rewrite (rewrite/); `profile` runs the first two once and keeps them (a `Profile`) for any number of
-solves, which is what `optimize`, `pareto` and `Plan.replan` do; `measure` reports what a real
-training step used. The solvers, the simulator
-and `Plan` work on plain data (ir.py) and never import torch: `import planner` alone does not import
-torch either, so a service can solve a posted graph without it. `optimize`, `profile`, `measure`,
-`capacity` and `plan_graph` load on first use.
+The flow is capture (capture/) -> activation graph (profiler/) -> solve (solvers/) -> rewrite
+(rewrite/), on the contract (ir.py) and a torch-free model of a step's memory (simulation/); a solved
+plan is explained by report/, and planning/ puts the pipeline together (`Plan`, `profile`,
+`plan_graph`), with compiled/ for `compile=True`, one_call for `optimize`, `pareto` and `measure`, and
+sizing/ for `capacity`; docs/layout.md draws the stages and what each may import. `profile` runs the
+first two stages once and keeps them (a `Profile`) for any number of solves, which is what `optimize`,
+`pareto` and `Plan.replan` do; `measure` reports what a real training step used. The solvers, the
+simulator and `Plan` work on plain data (ir.py) and never import torch: `import planner` alone does not
+import torch either, so a service can solve a posted graph without it. `optimize`, `profile`,
+`measure`, `capacity` and `plan_graph` load on first use; the enums of the string options
+(`CostModel`, `Sharding`, `MemoryCounting`, `BudgetKind`) are ir.py's.
 """
 
 from __future__ import annotations

@@ -233,7 +233,8 @@ class StaticBytes:
     keeps these between micro-batches."""
     resident_gradient_bytes: int = 0
     """Gradient bytes live through forward and backward: `accumulated_gradient_bytes` when the training
-    step keeps gradients between micro-batches (see `for_training_step` in simulation/step.py), else 0."""
+    step keeps gradients between micro-batches (see `for_training_step` in simulation/micro_batches.py),
+    else 0."""
     clip_workspace_bytes: int = 0
     """Temporaries of `clip_grad_norm_` on top of the gradients (per-gradient norms, the total norm)."""
     unscale_workspace_bytes: int = 0
@@ -335,7 +336,8 @@ class ActivationGraph:
     """Time a checkpointed region adds per operator of its nodes (`Node.operator_count`): checkpoint's
     Python hooks on every tensor the region saves, in forward and backward."""
     step: TrainingStep = TrainingStep()
-    """The training step the graph's accounting describes (see `for_training_step` in simulation/step.py)."""
+    """The training step the graph's accounting describes (see `for_training_step` in
+    simulation/micro_batches.py)."""
     memory_counting: MemoryCounting = MemoryCounting.BLOCKS
     """How each storage's bytes are counted in every figure of the graph (NOTE [counted bytes])."""
 

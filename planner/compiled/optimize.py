@@ -119,7 +119,7 @@ from planner.profiler.measurement import (
     tensors_in,
 )
 from planner.profiler.static_memory import optimizer_name, static_bytes
-from planner.simulation.step import for_training_step
+from planner.simulation.micro_batches import for_training_step
 from planner.solvers.solved_plan import CompiledStep
 
 __all__ = ["CompiledPlanning", "optimize_compiled", "plan_compiled_step", "profile_loss"]

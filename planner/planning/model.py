@@ -88,7 +88,8 @@ from planner.rewrite.other_shapes import (
 )
 from planner.rewrite.units import rewrite_units
 from planner.simulation.allocator import AllocatorSettings
-from planner.simulation.step import for_training_step, simulate
+from planner.simulation.micro_batches import for_training_step
+from planner.simulation.step import simulate
 
 __all__ = [
     "FSDP_CAPTURE_NOTE",

@@ -444,7 +444,7 @@ def build_activation_graph(
     `"analytic"` prices it by FLOPs and bytes on `device` (see cost_model.py) and needs no timing run,
     which is the only choice for a model on the meta device. The graph describes one micro-batch that
     starts with no gradient; its static bytes include the end of `step` (clipping, unscaling, the
-    optimizer step), and `for_training_step` (simulation/step.py) applies the rest of `step`.
+    optimizer step), and `for_training_step` (simulation/micro_batches.py) applies the rest of `step`.
     """
     with counting_scope(MemoryCounting(memory_counting)):
         return _profiled_graph(captured, model, inputs, loss_fn, optimizer, step, cost_model, device)

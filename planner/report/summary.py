@@ -92,7 +92,8 @@ class LeverRule:
     """Optimizer names (lower case prefixes) the lever applies to; empty means any."""
     keeps_gradients: bool = False
     """The lever keeps every parameter's gradient alive through forward and backward (accumulation):
-    the forward/backward peak then holds all of them (NOTE [accumulated gradients] in simulation/step.py)."""
+    the forward/backward peak then holds all of them (NOTE [accumulated gradients] in
+    simulation/micro_batches.py)."""
 
 
 SHARDING_DEVICES = 2

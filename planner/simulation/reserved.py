@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from planner.ir import ActivationGraph, Schedule
+from planner.simulation.allocation_log import REPLAY_SUFFIX, AllocationLog
 from planner.simulation.allocator import AllocatorEvent, AllocatorSettings, CachingAllocatorModel, replay
-from planner.simulation.step import REPLAY_SUFFIX, AllocationLog, simulate, storage_sizes
+from planner.simulation.step import simulate, storage_sizes
 
 __all__ = [
     "ReservedPrediction",

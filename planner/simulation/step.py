@@ -7,18 +7,8 @@ its optimizer step; that step allocates the state while every gradient is alive,
 as the steady state's optimizer step. So the peak over the first two steps is max(steady
 forward/backward, unscale, clipping, optimizer step).
 
-NOTE [accumulated gradients]: a graph is profiled as one micro-batch after `zero_grad(set_to_none=True)`:
-parameter gradients appear as backward reaches them. From the second micro-batch on (in every
-micro-batch with `set_to_none=False`), every parameter's `.grad` is alive from the start of forward,
-and in backward autograd's AccumulateGrad adds each newly computed gradient into `.grad` in place and
-frees it: the new gradient is a transient of the node that makes it (measured on the CPU). That
-micro-batch is at least as high as the first at every point (the first holds only the gradients made
-so far), so it sets the forward/backward peak. `for_training_step` turns the profiled graph into that
-micro-batch's graph: the parameters' gradients become resident (`StaticBytes.resident_gradient_bytes`)
-and each node's `parameter_gradient_bytes` moves into its backward workspace. Solvers and the
-simulator then need no notion of micro-batches. Input gradients are new tensors in every micro-batch;
-they are made by the first nodes, at the very end of backward, so counting them as transients there
-changes nothing measurable.
+A graph is the micro-batch of its `TrainingStep` that sets the forward/backward peak
+(micro_batches.py, NOTE [accumulated gradients]); the simulator needs no notion of micro-batches.
 
 Rules (they mirror `torch.utils.checkpoint` with `use_reentrant=False`):
 
@@ -73,7 +63,6 @@ call (`CheckpointRule`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -89,13 +78,11 @@ from planner.ir import (
     Schedule,
     SimulationResult,
     TraceStep,
-    TrainingStep,
 )
-from planner.simulation.allocator import AllocatorEvent
+from planner.simulation.allocation_log import REPLAY_SUFFIX, AllocationLog
+from planner.simulation.micro_batches import describe_micro_batch
 
 __all__ = [
-    "REPLAY_SUFFIX",
-    "AllocationLog",
     "CheckpointRule",
     "LiveBytes",
     "Replay",
@@ -103,8 +90,6 @@ __all__ = [
     "cache_name",
     "cached_storages",
     "checkpoint_overhead_ms",
-    "describe_micro_batch",
-    "for_training_step",
     "held_storages",
     "last_reads",
     "recompute_trigger",
@@ -118,41 +103,6 @@ __all__ = [
     "storage_sizes",
     "store_everything",
 ]
-
-
-def for_training_step(graph: ActivationGraph, step: TrainingStep) -> ActivationGraph:
-    """`graph`, profiled as one micro-batch, as the highest micro-batch of `step` sees it (NOTE
-    [accumulated gradients]); unchanged when the step keeps no gradient between micro-batches."""
-    if graph.step == step:
-        return graph
-    if graph.step != TrainingStep():
-        raise ValueError(
-            f"this graph already describes {graph.step}; apply a training step to the graph as profiled "
-            "(planner.optimize(..., step=...) profiles it again)"
-        )
-    if not step.gradients_resident:
-        return dataclasses.replace(graph, step=step)
-    nodes = tuple(
-        dataclasses.replace(
-            node,
-            backward_workspace_bytes=node.backward_workspace_bytes + node.parameter_gradient_bytes,
-            parameter_gradient_bytes=0,
-        )
-        for node in graph.nodes
-    )
-    resident_bytes = graph.static.accumulated_gradient_bytes
-    static = dataclasses.replace(graph.static, resident_gradient_bytes=resident_bytes)
-    return dataclasses.replace(graph, nodes=nodes, static=static, step=step)
-
-
-def describe_micro_batch(step: TrainingStep) -> str:
-    """Which micro-batch sets a forward/backward peak under `step`, in words (empty for one micro-batch
-    that starts with no gradient)."""
-    if not step.gradients_resident:
-        return ""
-    if step.zero_grad_set_to_none:
-        return "in the second micro-batch (and every later one), with all gradients alive"
-    return "in every micro-batch, with all gradients alive (zero_grad(set_to_none=False) keeps them)"
 
 
 @dataclass(frozen=True)
@@ -270,50 +220,6 @@ class Replay:
     @property
     def peak_bytes(self) -> int:
         return max(self.points_bytes, default=0)
-
-
-REPLAY_SUFFIX = "@replay"
-"""Appended to a storage's name for its copy made again by a replay."""
-
-class AllocationLog:
-    """A simulated step's allocations and frees in order, one per storage, for the caching allocator
-    model (allocator.py): what a schedule asks of the device, not only how much at once.
-
-    A storage already live is not allocated again (a stored activation passes from forward to
-    backward); a workspace is one allocation made and freed at its node, on top of what is live there.
-    """
-
-    def __init__(self, sizes: dict[str, int]) -> None:
-        self.sizes = sizes
-        self.events: list[AllocatorEvent] = []
-        self.live: set[str] = set()
-        self._transients = 0
-
-    def malloc(self, name: str, size_bytes: int | None = None) -> None:
-        """Allocate `name` (of its storage's size unless given), unless it is live or empty."""
-        if name in self.live:
-            return
-        size = self.sizes[name.removesuffix(REPLAY_SUFFIX)] if size_bytes is None else size_bytes
-        if size > 0:
-            self.live.add(name)
-            self.events.append(("malloc", name, size))
-
-    def free(self, name: str) -> None:
-        if name in self.live:
-            self.live.discard(name)
-            self.events.append(("free", name))
-
-    def transient(self, what: str, size_bytes: int) -> None:
-        """A workspace of `size_bytes` made and freed at once, beside everything live."""
-        self._transients += 1
-        name = f"{what}#{self._transients}"
-        self.malloc(name, size_bytes)
-        self.free(name)
-
-    def free_all(self, *, keep: frozenset[str] = frozenset()) -> None:
-        """Free everything live but `keep` (the end of a step)."""
-        for name in sorted(self.live - keep):
-            self.free(name)
 
 
 class LiveBytes:

@@ -21,10 +21,10 @@ where it can be planned, under bf16 autocast), the options are: the batch of G a
 a batch of G (one micro-batch, the least-recompute plan that fits); accumulating k micro-batches of
 G/k with nothing checkpointed, at the largest G/k that fits; and both, k micro-batches of m each
 checkpointed, for every divisor m of G between that micro-batch and G. With accumulation every
-parameter's gradient is alive through each micro-batch after the first (NOTE [accumulated gradients]
-in simulation/step.py), so its micro-batch is planned for that step: it may fit less, or need more recompute,
-than the same micro-batch alone. One optimizer step is predicted to take k x (forward + backward of a
-micro-batch + its plan's recompute), from the graph's per-node times (measured or analytic); samples/s
+parameter's gradient is alive through each micro-batch after the first (NOTE [accumulated gradients] in
+simulation/micro_batches.py), so its micro-batch is planned for that step: it may fit less, or need more
+recompute, than the same micro-batch alone. One optimizer step is predicted to take k x (forward + backward of
+a micro-batch + its plan's recompute), from the graph's per-node times (measured or analytic); samples/s
 is G over that. The optimizer step itself runs once per global batch in every option and is left out,
 as are data loading and communication.
 """

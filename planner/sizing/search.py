@@ -37,7 +37,8 @@ from planner.planning.model import profile
 from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.measurement import OptimizerSpec, tensors_in
-from planner.simulation.step import for_training_step, simulate, store_everything
+from planner.simulation.micro_batches import for_training_step
+from planner.simulation.step import simulate, store_everything
 from planner.sizing.fitting import Price, Priced, SizeRow, Weighing, largest_fitting, weigh
 from planner.sizing.rescale import FIT_SIZES, GraphFamily, NotRescalable
 from planner.solvers import lowest_peak, solve

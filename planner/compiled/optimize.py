@@ -37,7 +37,7 @@ into a dying input's buffer, `inplace_buffers`), so that memory is the liveness 
 NOTE [backward order]: inductor reorders each graph for peak memory (`reorder_for_peak_memory`) with
 heuristics on its own fused kernels, which the planner cannot predict before they exist. The planner
 instead chooses the backward's order itself (the same least-peak-first heuristic on its model of the
-kernels, or autograd's order when that is lower: `backward_order` in joint_graph.py), imposes it
+kernels, or autograd's order when that is lower: `backward_order` in backward_order.py), imposes it
 on the partitioned backward, and turns inductor's reordering off for this compile, so that the order
 it predicts is the order that runs.
 

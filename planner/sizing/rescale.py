@@ -21,9 +21,9 @@ How it stays honest (NOTE [rescaling]):
   through three rounded values misses a fourth capture (or comes out fractional), and the caller then
   captures every size it probes. Counting exact bytes (`memory_counting="exact"`) keeps reuse wherever
   the graph only rescales.
-- Times are not rescaled. Analytic times (profile.py) are recomputed from the rescaled FLOPs and bytes
-  by the same roofline; measured times are measurements of one size, so graphs with measured times have
-  no family (`fit` raises).
+- Times are not rescaled. Analytic times (profiler/cost_model.py) are recomputed from the rescaled FLOPs
+  and bytes by the same roofline; measured times are measurements of one size, so graphs with measured
+  times have no family (`fit` raises).
 
 Nothing here imports torch: this is arithmetic on `ir` records.
 """

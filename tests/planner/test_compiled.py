@@ -131,7 +131,7 @@ class _LogitsAndLoss(_Logits):
 
 
 def test_saved_logits_that_the_forward_also_returns_are_held_through_the_backward() -> None:
-    """NOTE [saved outputs] in compiled/joint_graph.py: the logits are saved for the loss's backward and
+    """NOTE [saved outputs] in compiled/backward_order.py: the logits are saved for the loss's backward and
     returned, so the backward can neither free nor reuse them, nor reuse the zero gradient autograd
     makes for the unused logits. The model let it reuse both and predicted a logits buffer (26 %) low."""
     torch.manual_seed(0)

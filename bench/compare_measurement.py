@@ -60,7 +60,8 @@ import planner
 from bench.compare_report import Family, Mode, Row, label
 from bench.peers import GRADIENT_RTOL, mib
 from planner.compiled.step import log_methods as planner_log_methods
-from planner.profiler.measurement import AllocatorPhases, default_loss, storage_bytes, tensors_in
+from planner.profiler.counting import AllocatorPhases, storage_bytes, tensors_in
+from planner.profiler.measurement import default_loss
 from planner.testing.steps import (
     StepRecord,
     Variant,

@@ -24,13 +24,8 @@ from planner.planning.graph import Frontier
 from planner.planning.model import profile
 from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec
-from planner.profiler.measurement import (
-    MeasuredStep,
-    OptimizerSpec,
-    counting_scope,
-    default_loss,
-    measure_step,
-)
+from planner.profiler.counting import counting_scope
+from planner.profiler.measurement import MeasuredStep, OptimizerSpec, default_loss, measure_step
 from planner.solvers import check_solver
 
 __all__ = ["measure", "optimize", "pareto"]

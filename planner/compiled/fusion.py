@@ -29,7 +29,7 @@ import torch
 from torch import fx
 from torch._functorch.partitioners import OpTypes
 
-from planner.profiler.measurement import counted_bytes
+from planner.profiler.counting import counted_bytes
 
 __all__ = ["FusionModel", "Storages", "addmm_folds", "is_primal", "node_tensor", "target_name"]
 

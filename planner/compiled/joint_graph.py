@@ -57,8 +57,8 @@ from planner.compiled.groups import (
 from planner.compiled.joint_reader import JointReader
 from planner.ir import ActivationGraph, Node, Schedule, StaticBytes
 from planner.profiler.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
+from planner.profiler.counting import current_counting
 from planner.profiler.interpreter import LOSS_NODE
-from planner.profiler.measurement import current_counting
 from planner.simulation.step import held_storages
 
 __all__ = ["CompiledGraph", "LossProfile", "build_compiled_graph"]

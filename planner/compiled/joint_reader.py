@@ -19,7 +19,7 @@ from torch._functorch.partitioners import NodeInfo, get_default_op_list
 from planner.compiled.fusion import FusionModel, Storages, addmm_folds, is_primal, node_tensor
 from planner.compiled.groups import hoisted_operators, step_constants
 from planner.compiled.kernel_scratch import scratch_bytes
-from planner.profiler.measurement import counted_bytes
+from planner.profiler.counting import counted_bytes
 
 __all__ = ["JointReader"]
 

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from planner.ir import MemoryCounting
-from planner.profiler.measurement import current_counting, storage_bytes
+from planner.profiler.counting import current_counting, storage_bytes
 
 __all__ = ["SCRATCH_OPERATORS", "scratch_bytes"]
 

@@ -112,12 +112,8 @@ from planner.ir import StaticBytes, TrainingStep
 from planner.planning.graph import plan_graph
 from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec, device_spec
-from planner.profiler.measurement import (
-    LiveStorageTracker,
-    OptimizerSpec,
-    end_autocast_forward,
-    tensors_in,
-)
+from planner.profiler.counting import LiveStorageTracker, tensors_in
+from planner.profiler.measurement import OptimizerSpec, end_autocast_forward
 from planner.profiler.static_memory import optimizer_name, static_bytes
 from planner.simulation.micro_batches import for_training_step
 from planner.solvers.solved_plan import CompiledStep

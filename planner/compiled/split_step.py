@@ -72,7 +72,8 @@ from planner.errors import InfeasibleBudget
 from planner.ir import GLUE_OP, ActivationGraph, BudgetKind, TrainingStep
 from planner.planning.model import Profile, profile
 from planner.planning.plan import Plan
-from planner.profiler.measurement import OptimizerSpec, current_counting
+from planner.profiler.counting import current_counting
+from planner.profiler.measurement import OptimizerSpec
 from planner.solvers.solved_plan import CompiledStep
 
 __all__ = [

@@ -21,7 +21,8 @@ import torch
 
 from planner.errors import InfeasibleBudget, PlannerError, format_bytes
 from planner.planning.plan import Plan
-from planner.profiler.measurement import AllocatorPhases, end_autocast_forward, tensors_in
+from planner.profiler.counting import AllocatorPhases, tensors_in
+from planner.profiler.measurement import end_autocast_forward
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 from planner.errors import GIB, UnsupportedModel
 from planner.ir import CostModel, MemoryCounting, Sharding, TrainingStep
 from planner.profiler.cost_model import DeviceSpec, device_spec
-from planner.profiler.measurement import tensors_in
+from planner.profiler.counting import tensors_in
 from planner.rewrite.emit import fully_sharded_modules
 from planner.simulation.allocator import AllocatorSettings
 

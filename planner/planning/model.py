@@ -68,8 +68,9 @@ from planner.planning.arguments import (
 from planner.planning.graph import Frontier, pareto_frontier, plan_graph
 from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec, device_spec
+from planner.profiler.counting import tensors_in
 from planner.profiler.interpreter import LOSS_NODE, build_activation_graph
-from planner.profiler.measurement import OptimizerSpec, default_loss, tensors_in
+from planner.profiler.measurement import OptimizerSpec, default_loss
 from planner.profiler.sharding import shard_graph
 from planner.report.blocks import longest_block_stack
 from planner.rewrite.emit import (

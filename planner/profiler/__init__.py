@@ -2,12 +2,12 @@
 
 Stage 3 of planner/'s packages (docs/layout.md). It owns what the solvers plan on: the profiling
 interpreter that runs the captured graph node by node and builds the activation graph (`interpreter`),
-its per-node records (`records`), the calls it splits at their submodules (`split_calls`), measuring a
-real training step and counting bytes as the device counts them (`measurement`), the parameters,
-gradients and optimizer state around the activations (`static_memory`), the analytic cost model and
-named cards (`cost_model`), attention as a GPU's fused kernels run it on the meta device (`attention`),
-the price of selective keeps (`selective_cost`), a graph sharded per rank (`sharding`) and a measured
-memory snapshot (`snapshots`).
+its per-node records (`records`), the calls it splits at their submodules (`split_calls`), counting
+bytes as the device counts them, in one counting per graph (`counting`), measuring a real training step
+(`measurement`), the parameters, gradients and optimizer state around the activations
+(`static_memory`), the analytic cost model and named cards (`cost_model`), attention as a GPU's fused
+kernels run it on the meta device (`attention`), the price of selective keeps (`selective_cost`), a
+graph sharded per rank (`sharding`) and a measured memory snapshot (`snapshots`).
 
 It may import the contract (planner.ir, planner.errors), planner.simulation (the interpreter calibrates
 node workspaces against the simulator) and planner.capture, and torch; the solvers never import it,

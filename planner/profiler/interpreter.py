@@ -34,16 +34,14 @@ from planner.capture.records import Capture
 from planner.ir import ActivationGraph, CostModel, MemoryCounting, Node, Phase, TrainingStep
 from planner.profiler.attention import planned_attention
 from planner.profiler.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
-from planner.profiler.measurement import (
+from planner.profiler.counting import (
     LiveStorageTracker,
-    OptimizerSpec,
     counted_bytes,
     counting_scope,
     current_counting,
-    end_autocast_forward,
-    start_autocast_forward,
     tensors_in,
 )
+from planner.profiler.measurement import OptimizerSpec, end_autocast_forward, start_autocast_forward
 from planner.profiler.records import RANDOM_FUNCTIONS, RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
 from planner.profiler.selective_cost import (
     CheckpointCost,
@@ -460,7 +458,7 @@ def _profiled_graph(
     cost_model: CostModel,
     device: str | DeviceSpec | None,
 ) -> ActivationGraph:
-    """`build_activation_graph` inside its counting scope (NOTE [counting scope] in measurement.py)."""
+    """`build_activation_graph` inside its counting scope (NOTE [counting scope] in counting.py)."""
     graph_module = captured.graph_module
     spec = _cost_spec(model, inputs, cost_model, device)
     targets = _grad_targets(model, inputs)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from planner.profiler.measurement import LiveStorageTracker, tensors_in
+from planner.profiler.counting import LiveStorageTracker, tensors_in
 from planner.profiler.selective_cost import OperatorCounter, saved_when_kept
 
 __all__ = [

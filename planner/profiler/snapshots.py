@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from planner.ir import TrainingStep
-from planner.profiler.measurement import OptimizerSpec, measure_step, record_allocations, tensors_in
+from planner.profiler.counting import tensors_in
+from planner.profiler.measurement import OptimizerSpec, measure_step, record_allocations
 from planner.simulation.allocator import AllocatorSettings, CachingAllocatorModel, apply_event
 
 __all__ = ["measured_snapshot"]

@@ -27,7 +27,7 @@ from planner.capture.chain import candidate_units, has_hooks
 from planner.capture.model_call import MODEL_CALL
 from planner.capture.records import Capture
 from planner.ir import GLUE_OP
-from planner.profiler.measurement import tensors_in
+from planner.profiler.counting import tensors_in
 from planner.profiler.records import RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
 
 __all__ = ["NodeRecorder", "SplitCall", "split_calls", "static_split_calls"]

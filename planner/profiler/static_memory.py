@@ -33,13 +33,8 @@ from torch import fx
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 from planner.ir import NO_OPTIMIZER, StaticBytes, TrainingStep
-from planner.profiler.measurement import (
-    LiveStorageTracker,
-    OptimizerSpec,
-    counted_bytes,
-    make_optimizer,
-    tensors_in,
-)
+from planner.profiler.counting import LiveStorageTracker, counted_bytes, tensors_in
+from planner.profiler.measurement import OptimizerSpec, make_optimizer
 
 __all__ = [
     "constant_bytes",

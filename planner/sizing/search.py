@@ -36,7 +36,8 @@ from planner.one_call import optimize
 from planner.planning.model import profile
 from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec, device_spec
-from planner.profiler.measurement import OptimizerSpec, tensors_in
+from planner.profiler.counting import tensors_in
+from planner.profiler.measurement import OptimizerSpec
 from planner.simulation.micro_batches import for_training_step
 from planner.simulation.step import simulate, store_everything
 from planner.sizing.fitting import Price, Priced, SizeRow, Weighing, largest_fitting, weigh

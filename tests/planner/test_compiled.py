@@ -28,7 +28,8 @@ from planner import zoo
 from planner.compiled.optimize import plan_compiled_step
 from planner.compiled.step import lowered_budget_bytes
 from planner.ir import TrainingStep
-from planner.profiler.measurement import AllocatorPhases, LiveStorageTracker, default_loss
+from planner.profiler.counting import AllocatorPhases, LiveStorageTracker
+from planner.profiler.measurement import default_loss
 from planner.testing.zoo_real import build_call
 from tests.planner.compiled_steps import GRADIENT_RTOL, HUGE_BUDGET_BYTES, compiled_gradients
 

@@ -10,7 +10,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import planner
 from planner.ir import MemoryCounting
-from planner.profiler.measurement import AllocatorPhases, LiveStorageTracker, default_loss
+from planner.profiler.counting import AllocatorPhases, LiveStorageTracker
+from planner.profiler.measurement import default_loss
 from planner.zoo import build_model
 
 

@@ -273,7 +273,7 @@ def _profile(
 
 
 def _infeasible(error: Any, graph: Any) -> NoReturn:
-    from planner.report.summary import levers_at_lowest_peak, render_levers
+    from planner.report.levers import levers_at_lowest_peak, render_levers
 
     typer.echo(str(error), err=True)
     typer.echo("levers beyond checkpointing (estimates from the graph's bytes, not predictions):", err=True)

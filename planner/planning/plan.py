@@ -110,8 +110,8 @@ class Plan(SolvedPlan):
 
     def compare(self, eager: Plan) -> str:
         """For a plan made with `compile=True`: where it differs from `eager`, a plan of the same model
-        for the eager step, and why (see `compare_plans` in report/summary.py)."""
-        from planner.report.summary import compare_plans
+        for the eager step, and why (see `compare_plans` in report/comparison.py)."""
+        from planner.report.comparison import compare_plans
 
         return compare_plans(self, eager)
 

@@ -12,15 +12,15 @@ import pytest
 from planner.errors import format_bytes
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
 from planner.planning.plan import Plan
-from planner.report.naming import describe_region, is_module_aligned, module_cover, python_path, sibling_run
-from planner.report.summary import (
-    COMPONENT_LABELS,
+from planner.report.levers import (
     FORWARD_BACKWARD,
     OPTIMIZER_STEP,
     estimate_levers,
     levers_at_lowest_peak,
     peak_components,
 )
+from planner.report.naming import describe_region, is_module_aligned, module_cover, python_path, sibling_run
+from planner.report.summary import COMPONENT_LABELS
 from planner.simulation.step import simulate, store_everything
 from planner.solvers import lowest_peak
 from planner.testing.synthetic_graphs import MIB, chain_graph, static_bytes, with_selective_price

@@ -22,7 +22,7 @@ import torch
 
 import planner
 from planner.ir import Phase
-from planner.report.summary import FORWARD_BACKWARD, estimate_levers, peak_components
+from planner.report.levers import FORWARD_BACKWARD, estimate_levers, peak_components
 from planner.serialize import graph_from_dict, graph_to_dict
 from planner.zoo import GPTConfig, TinyGPT, build_model
 

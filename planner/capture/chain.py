@@ -28,9 +28,10 @@ node that calls the module (its hooks run), and the profiler marks that node not
 replay never runs the hooks a second time. torch.export would inline such a submodule and run its hooks
 once, at capture, so the export level refuses models whose submodules carry hooks.
 
-Both levels then run out of place the in-place ops whose writes nothing can observe (NOTE [in-place
-ops] in in_place.py). What a capture is, and which calls its graph runs, are records.py's (`Capture`,
-`GraphCall`, NOTE [other shapes]).
+Both levels then run out of place the in-place ops whose writes nothing can observe (NOTE [in-place ops]
+in in_place.py), and the export level drops the attention masks a trace materialises where the model
+makes none (NOTE [materialised masks] in attention_masks.py). What a capture is, and which calls its
+graph runs, are records.py's (`Capture`, `GraphCall`, NOTE [other shapes]).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.utils._pytree import tree_flatten, tree_map
 
+from planner.capture.attention_masks import drop_size_only_masks
 from planner.capture.in_place import run_out_of_place
 from planner.capture.records import (
     Capture,
@@ -352,12 +354,14 @@ def _capture_export(
         example_layouts=tensor_layouts(args, kwargs),
         exported_shapes=exported_shapes,
     )
+    inputs = call.graph_inputs(args, kwargs)
+    drop_size_only_masks(graph_module, inputs)
     return Capture(
         graph_module=graph_module,
         path=CapturePath.EXPORT.value,
         opaque_modules=(),
         call=call,
-        inputs=call.graph_inputs(args, kwargs),
+        inputs=inputs,
     )
 
 

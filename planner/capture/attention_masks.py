@@ -1,0 +1,224 @@
+"""Attention masks that a trace materialises and the model itself never makes, dropped from the graph.
+
+Why it exists: the captured module must cost no more than the model it came from (issue 35), and an
+exported transformer can: its attention masks are made of the call's sizes alone, skipped in eager and
+materialised in the trace. `drop_size_only_masks` is a rewrite of an exported graph on its own, run by
+the export level of the capture chain (chain.py).
+
+NOTE [materialised masks]: Hugging Face's masking utilities skip a mask that masks nothing (a
+bidirectional mask without padding: `attn_mask=None`) and pass a purely causal one as `is_causal=True`,
+but only when not tracing; under torch.export they build it from `arange` and comparisons as a
+[batch, 1, query, key] bool tensor. `scaled_dot_product_attention` on the CPU turns a bool mask into a
+float one in every call and saves it for backward, so the captured module held one float mask per
+attention layer more than the model: 135,200 bytes (two 4 x 1 x 65 x 65 masks) on zoo_real's `hf_vit`,
+and a batch x sequence x sequence float32 tensor per layer on GPT-2. So, after export, each attention
+mask that depends on no input's values, parameter or buffer (only on sizes, through `sym_size`) is
+evaluated at the example's sizes and at two other sets of sizes: one that is all True (or all zero,
+for an additive float mask) at every evaluation is dropped, and one that is the causal lower triangle
+of a square attention at every evaluation becomes `is_causal=True`, as the model runs it in eager. Any
+other mask, and any mask an input's values reach (a padding `attention_mask`), stays as traced.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["drop_size_only_masks"]
+
+ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+"""The attention operator of an exported graph (training IR keeps it whole)."""
+SIZE_OF = torch.ops.aten.sym_size.int
+"""The only way an input may reach a mask that is dropped: through its size."""
+MASK_ARGUMENT, IS_CAUSAL_ARGUMENT = 3, 5
+"""Positions of `attn_mask` and `is_causal` in `scaled_dot_product_attention`'s schema."""
+SIZE_CHANGES: tuple[Callable[[int], int], ...] = (lambda size: size + 1, lambda size: 2 * size + 3)
+"""The other sizes a mask is evaluated at, besides the example's: every symbolic size changed alike."""
+
+
+def drop_size_only_masks(graph_module: fx.GraphModule, example_inputs: Iterable[Any]) -> int:
+    """Drop, or turn into `is_causal=True`, the attention masks made of sizes alone (NOTE
+    [materialised masks]); returns how many attention calls changed."""
+    graph = graph_module.graph
+    sizes = _placeholder_sizes(graph, list(example_inputs))
+    dropped: set[fx.Node] = set()
+    changed = 0
+    for attention in list(graph.find_nodes(op="call_function", target=ATTENTION)):
+        mask = _mask_of(attention)
+        ancestors = None if mask is None or _is_causal(attention) else _ancestors(mask)
+        if mask is None or ancestors is None:
+            continue
+        evaluations = _evaluations(ancestors, mask, sizes)
+        if evaluations is None:
+            continue
+        if all(_masks_nothing(values) for values in evaluations):
+            _replace_mask(attention, is_causal=False)
+        elif all(_is_causal_triangle(values) for values in evaluations):
+            _replace_mask(attention, is_causal=True)
+        else:
+            continue
+        dropped.update(ancestors)
+        changed += 1
+    if changed:
+        _erase_unused(graph, dropped)
+        graph_module.recompile()
+    return changed
+
+
+def _placeholder_sizes(graph: fx.Graph, example_inputs: list[Any]) -> dict[fx.Node, tuple[int, ...]]:
+    """The example's shape of each tensor placeholder, in the graph's input order."""
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    return {
+        node: tuple(value.shape)
+        for node, value in zip(placeholders, example_inputs, strict=False)
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _mask_of(attention: fx.Node) -> fx.Node | None:
+    mask = attention.args[MASK_ARGUMENT] if len(attention.args) > MASK_ARGUMENT else None
+    mask = attention.kwargs.get("attn_mask", mask)
+    return mask if isinstance(mask, fx.Node) else None
+
+
+def _is_causal(attention: fx.Node) -> bool:
+    flag = attention.args[IS_CAUSAL_ARGUMENT] if len(attention.args) > IS_CAUSAL_ARGUMENT else False
+    return bool(attention.kwargs.get("is_causal", flag))
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node] | None:
+    """`node` and what it is computed from, in graph order; None when an input's values, a parameter,
+    a buffer or a random operator reaches it."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op != "call_function":
+            return None
+        if current.target is SIZE_OF:
+            continue  # its input is read for its size only
+        if isinstance(current.target, torch._ops.OpOverload):
+            if torch.Tag.nondeterministic_seeded in current.target.tags:
+                return None
+        elif current.target not in SIZE_ARITHMETIC:
+            return None
+        stack.extend(current.all_input_nodes)
+    return [candidate for candidate in node.graph.nodes if candidate in seen]
+
+
+SIZE_ARITHMETIC = frozenset(
+    {operator.add, operator.sub, operator.mul, operator.floordiv, operator.neg, operator.getitem}
+)
+"""Python operators an exported graph computes sizes with."""
+
+
+def _evaluations(
+    ancestors: list[fx.Node], mask: fx.Node, sizes: Mapping[fx.Node, tuple[int, ...]]
+) -> list[torch.Tensor] | None:
+    """The mask's values at the example's sizes and at `SIZE_CHANGES` of them, computed on the CPU from
+    its `ancestors`; None when they cannot be computed."""
+    size_nodes = [node for node in ancestors if node.target is SIZE_OF]
+    example = {node: _example_size(node, sizes) for node in size_nodes}
+    if any(value is None for value in example.values()):
+        return None
+    symbols = _symbols(size_nodes, example)
+    if symbols is None:
+        return None
+    settings: list[Callable[[int], int]] = [lambda size: size, *SIZE_CHANGES]
+    evaluations = []
+    for change in settings:
+        values = {node: change(example_size) for node, example_size in symbols.items()}
+        try:
+            evaluations.append(_run(ancestors, mask, values))
+        except Exception:  # noqa: BLE001 - a mask we cannot compute stays as traced
+            return None
+    return evaluations
+
+
+def _example_size(node: fx.Node, sizes: Mapping[fx.Node, tuple[int, ...]]) -> int | None:
+    tensor, dimension = node.args[0], node.args[1]
+    if not isinstance(tensor, fx.Node) or tensor not in sizes or not isinstance(dimension, int):
+        return None
+    shape = sizes[tensor]
+    return shape[dimension] if -len(shape) <= dimension < len(shape) else None
+
+
+def _symbols(size_nodes: list[fx.Node], example: Mapping[fx.Node, int | None]) -> dict[fx.Node, int] | None:
+    """Each size node with its example size, provided that nodes of one symbol share one example size
+    (so that changing every symbolic size alike keeps them equal) and that each is a bare symbol."""
+    by_symbol: dict[str, int] = {}
+    symbols: dict[fx.Node, int] = {}
+    for node in size_nodes:
+        value = node.meta.get("val")
+        size = example[node]
+        assert size is not None
+        if not isinstance(value, torch.SymInt):
+            return None  # a specialised size is a constant; the graph has no symbol to vary
+        name = str(value.node.expr)
+        if not name.isidentifier() or by_symbol.setdefault(name, size) != size:
+            return None
+        symbols[node] = size
+    return symbols
+
+
+def _run(ancestors: list[fx.Node], mask: fx.Node, sizes: Mapping[fx.Node, int]) -> torch.Tensor:
+    """The mask computed from `sizes`, every tensor on the CPU."""
+    values: dict[fx.Node, Any] = {}
+    for node in ancestors:
+        if node.target is SIZE_OF:
+            values[node] = sizes[node]
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda argument: values[argument])
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        assert callable(node.target)
+        values[node] = node.target(*args, **kwargs)
+    result = values[mask]
+    assert isinstance(result, torch.Tensor)
+    return result
+
+
+def _masks_nothing(mask: torch.Tensor) -> bool:
+    """A bool mask of all True, or an additive float mask of all zeros, changes no attention weight."""
+    if mask.dtype == torch.bool:
+        return bool(mask.all())
+    return mask.is_floating_point() and bool((mask == 0).all())
+
+
+def _is_causal_triangle(mask: torch.Tensor) -> bool:
+    """A bool mask that lets each query attend to itself and the keys before it, in a square attention:
+    what `is_causal=True` computes (its triangle is aligned to the top left)."""
+    if mask.dtype != torch.bool or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    size = mask.shape[-1]
+    triangle = torch.ones(size, size, dtype=torch.bool).tril()
+    return bool((mask == triangle).all())
+
+
+def _replace_mask(attention: fx.Node, *, is_causal: bool) -> None:
+    args = list(attention.args)
+    kwargs = dict(attention.kwargs)
+    if "attn_mask" in kwargs:
+        kwargs["attn_mask"] = None
+    else:
+        args[MASK_ARGUMENT] = None
+    if is_causal:
+        if len(args) > IS_CAUSAL_ARGUMENT:
+            args[IS_CAUSAL_ARGUMENT] = True
+        else:
+            kwargs["is_causal"] = True
+    attention.args, attention.kwargs = tuple(args), kwargs
+
+
+def _erase_unused(graph: fx.Graph, candidates: set[fx.Node]) -> None:
+    """Erase the nodes of the dropped masks that nothing uses any more, last first."""
+    for node in reversed(list(graph.nodes)):
+        if node in candidates and not node.users:
+            graph.erase_node(node)

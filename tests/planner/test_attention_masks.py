@@ -1,0 +1,97 @@
+"""The attention masks a trace materialises where the model makes none (NOTE [materialised masks] in
+planner/capture/attention_masks.py): dropped, or made `is_causal=True`, only where sizes alone make them."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import planner
+from planner.capture.attention_masks import ATTENTION
+from planner.capture.chain import capture
+from planner.testing.steps import assert_same_step, one_step
+
+BATCH, SEQUENCE, WIDTH, HEADS = 4, 24, 32, 4
+
+
+class MaskedAttention(nn.Module):
+    """One attention layer whose mask is built in its forward, the way Hugging Face's masking utilities
+    build one under tracing; `**options` makes torch.fx give up, so the model is exported."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.out = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor, **options: Any) -> torch.Tensor:
+        batch, sequence, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, sequence, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
+        query = torch.arange(sequence)[:, None]
+        key = torch.arange(sequence)[None, :]
+        masks = {
+            "nothing": key >= 0,
+            "causal": key <= query,
+            "window": (query - key).abs() <= 2,
+            "padding": padding[:, None, None, :] > 0,
+        }
+        mask = masks[self.kind].expand(batch, 1, sequence, sequence)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(attended.transpose(1, 2).reshape(batch, sequence, WIDTH)).square().mean()
+
+
+def example(kind: str) -> tuple[MaskedAttention, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    padding = torch.ones(BATCH, SEQUENCE)
+    padding[:, -3:] = 0
+    return MaskedAttention(kind), (torch.randn(BATCH, SEQUENCE, WIDTH), padding)
+
+
+def attention_calls(kind: str) -> list[tuple[Any, bool]]:
+    model, inputs = example(kind)
+    captured = capture(model, inputs, {})
+    assert captured.path == "export"
+    calls = captured.graph_module.graph.find_nodes(op="call_function", target=ATTENTION)
+    return [
+        (node.args[3] if len(node.args) > 3 else None, bool(node.kwargs.get("is_causal"))) for node in calls
+    ]
+
+
+@pytest.mark.parametrize(("kind", "is_causal"), [("nothing", False), ("causal", True)])
+def test_a_mask_made_of_sizes_alone_goes(kind: str, is_causal: bool) -> None:
+    assert attention_calls(kind) == [(None, is_causal)]
+
+
+@pytest.mark.parametrize("kind", ["window", "padding"])
+def test_a_mask_that_masks_something_else_or_reads_an_input_stays(kind: str) -> None:
+    ((mask, is_causal),) = attention_calls(kind)
+    assert mask is not None and not is_causal
+
+
+@pytest.mark.parametrize("kind", ["nothing", "causal", "window", "padding"])
+def test_the_captured_module_trains_as_the_model_and_costs_no_more(kind: str) -> None:
+    model, inputs = example(kind)
+    plan = planner.optimize(copy.deepcopy(model), inputs, budget_bytes=2**40)
+    assert plan.module is not None
+    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
+    model_bytes, module_bytes = (
+        planner.measure(copy.deepcopy(m), inputs).peak_bytes for m in (model, plan.module)
+    )
+    assert module_bytes <= model_bytes
+
+
+def test_a_dropped_mask_is_dropped_at_every_batch_and_sequence() -> None:
+    """The graph is dynamic in batch and sequence, and the mask was checked at other sizes than the
+    example's: the captured module runs a longer, larger call as the model does."""
+    model, _ = example("causal")
+    plan = planner.optimize(copy.deepcopy(model), example("causal")[1], budget_bytes=2**40)
+    assert plan.module is not None
+    torch.manual_seed(1)
+    longer = (torch.randn(2 * BATCH, SEQUENCE + 5, WIDTH), torch.ones(2 * BATCH, SEQUENCE + 5))
+    with pytest.warns(planner.LargerShapeWarning):
+        assert_same_step(one_step(model, longer), one_step(plan.module, longer))

@@ -29,9 +29,9 @@ bench: $(VENV)/.installed
 # CUDA build of torch where python3 has one (a lent GPU machine), else on the CPU through .venv.
 gpu-check:
 	@if python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then \
-		PYTHONPATH=. python3 -m bench.gpu_check; \
+		PYTHONPATH=. python3 -m bench.gpu_check $(GPU_CHECK_ARGS); \
 	else \
-		$(MAKE) $(VENV)/.installed && $(PY) -m bench.gpu_check; \
+		$(MAKE) $(VENV)/.installed && $(PY) -m bench.gpu_check $(GPU_CHECK_ARGS); \
 	fi
 
 clean:

@@ -36,6 +36,7 @@ import logging
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -223,11 +224,42 @@ def _node_times(device: torch.device, names: tuple[str, ...]) -> dict[str, Any]:
     return report
 
 
+def _failure(name: str, part: str, error: BaseException) -> dict[str, str]:
+    """What went wrong with one model, kept in the JSON instead of ending the run."""
+    log.exception("%s failed in %s", name, part)
+    last = traceback.extract_tb(error.__traceback__)[-1]
+    return {
+        "model": name,
+        "part": part,
+        "error": f"{type(error).__name__}: {error}",
+        "at": f"{last.filename}:{last.lineno}",
+    }
+
+
+def _summary(rows: list[dict], started: float) -> dict[str, Any]:
+    errors = [abs(row["allocated_error"]) for row in rows]
+    return {
+        "rows": len(rows),
+        "fit": sum(row["fits"] for row in rows),
+        "worst_allocated_error": max(errors, default=None),
+        "worst_reserved_error": max(
+            (abs(row["reserved_error"]) for row in rows if "reserved_error" in row), default=None
+        ),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_MODELS)}, one budget")
     parser.add_argument("--models", help="comma-separated zoo or zoo_real names (default: all)")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=420.0,
+        help="start no new model after this many seconds (default 420)",
+    )
     arguments = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -241,29 +273,34 @@ def main(argv: list[str] | None = None) -> int:
         names = (*FIDELITY_ZOO, *HF_MODELS)
     fractions = (0.5,) if arguments.quick else FRACTIONS
     workspace_bytes = int(facts.get("measured_cublas_workspace_bytes", 0))
-    rows = [row for call in _calls(names, device) for row in _rows(call, device, fractions, workspace_bytes)]
-    timed = _node_times(device, () if arguments.quick else TIMED_MODELS)
-    errors = [abs(row["allocated_error"]) for row in rows]
-    document = {
+    document: dict[str, Any] = {
         "device": facts,
-        "summary": {
-            "rows": len(rows),
-            "fit": sum(row["fits"] for row in rows),
-            "worst_allocated_error": max(errors, default=None),
-            "worst_reserved_error": max(
-                (abs(row["reserved_error"]) for row in rows if "reserved_error" in row), default=None
-            ),
-            "seconds": round(time.perf_counter() - started, 1),
-        },
-        "rows": rows,
-        "node_times": timed,
         "ran_on": str(device),
+        "rows": [],
+        "failures": [],
+        "not_run": [],
     }
     arguments.out.parent.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if time.perf_counter() - started > arguments.deadline_s:
+            document["not_run"].append(name)
+            continue
+        try:
+            for call in _calls((name,), device):
+                document["rows"].extend(_rows(call, device, fractions, workspace_bytes))
+        except Exception as error:  # noqa: BLE001 - one model's failure is a finding, not the end of the run
+            document["failures"].append(_failure(name, "rows", error))
+        document["summary"] = _summary(document["rows"], started)
+        arguments.out.write_text(json.dumps(document, indent=1))  # what ran so far survives a later crash
+    try:
+        document["node_times"] = _node_times(device, () if arguments.quick else TIMED_MODELS)
+    except Exception as error:  # noqa: BLE001
+        document["failures"].append(_failure("node_times", "node_times", error))
+    document["summary"] = _summary(document["rows"], started)
     arguments.out.write_text(json.dumps(document, indent=1))
     print(json.dumps(document["summary"]))
     print(f"wrote {arguments.out}", file=sys.stderr)
-    return 0
+    return 1 if document["failures"] else 0
 
 
 if __name__ == "__main__":

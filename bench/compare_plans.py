@@ -37,14 +37,21 @@ REFERENCE_BUDGET_BYTES = 2**40
 """A budget every plan fits: its plan reports the predicted lowest and no-checkpointing peaks."""
 
 
+ERROR_CHARS = 400
+"""How much of an error's text a row keeps: a compiler's wrapped error names its cause lines down."""
+
+
 def error_text(error: Exception) -> str:
-    return f"{type(error).__name__}: {error}".splitlines()[0]
+    return " ".join(f"{type(error).__name__}: {error}".replace("|", "/").split())[:ERROR_CHARS]
 
 
 def optimize_at(call: ExampleCall, budget_bytes: int, solver: str) -> planner.Plan:
+    """Our plan at a peer's measured peak, which is allocated bytes (`max_memory_allocated` on a GPU):
+    so is the budget, though a GPU's default is reserved memory (NOTE [budget kinds] in planner/ir.py)."""
     return planner.optimize(
-        call.model, call.args, example_kwargs=call.kwargs, budget_bytes=budget_bytes, solver=solver
-    )
+        call.model, call.args, example_kwargs=call.kwargs, budget_bytes=budget_bytes, solver=solver,
+        budget_kind="allocated",
+    )  # fmt: skip
 
 
 def our_row(peer: Row, solver: str) -> Row:

@@ -13,7 +13,9 @@ H100, nothing downloaded) and writes `bench/results/gpu_check.json`:
    GPU at three budgets (the lowest allocated peak, halfway, no checkpointing) under the default
    allocator and under `expandable_segments:True`; per row the predicted allocated peak (512-byte blocks)
    and reserved peak (simulation/reserved.py) against `max_memory_allocated` and `max_memory_reserved` of
-   two real steps, less the cuBLAS workspaces the prediction leaves out.
+   two real steps of `plan.module`, less what other tensors held on the device when they began (the
+   cuBLAS workspaces of part 1 among them: the prediction leaves them out; NOTE [other tensors on the
+   device] in planner/profiler/measurement.py).
 3. `node_times`: per-node forward times measured on the GPU against the analytic roofline of the card
    (planner/profiler/cost_model.py), as the median and spread of their ratio.
 
@@ -29,8 +31,8 @@ and the JSON says the CUDA parts were skipped.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
+import gc
 import json
 import logging
 import statistics
@@ -115,20 +117,26 @@ def _allocator(conf: str, device: torch.device) -> Iterator[None]:
 
 
 def _measured(plan: planner.Plan, call: Call, device: torch.device) -> dict[str, Any]:
-    """Two real steps of a copy of `plan.module`: allocated (blocks), exact and reserved peaks."""
+    """Two real steps of `plan.module` itself: allocated (blocks), exact and reserved peaks.
+
+    Not a copy: a copy would leave the model's own parameters on the device beside it, in segments the
+    reserved peak cannot tell apart (NOTE [other tensors on the device] in profiler/measurement.py).
+    The steps train the model; its later plans only need its structure."""
     assert plan.module is not None
-    module = copy.deepcopy(plan.module)
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
-    step = planner.measure(module, call.args, example_kwargs=call.kwargs or None)
+    step = planner.measure(plan.module, call.args, example_kwargs=call.kwargs or None)
+    plan.module.zero_grad(set_to_none=True)
     return {
         "allocated_bytes": step.peak_bytes,
         "exact_bytes": step.exact_peak_bytes,
         "reserved_bytes": step.reserved_peak_bytes,
+        "others_bytes": step.others_bytes,
     }
 
 
-def _rows(call: Call, device: torch.device, fractions: tuple[float, ...], workspace_bytes: int) -> list[dict]:
+def _rows(call: Call, device: torch.device, fractions: tuple[float, ...]) -> list[dict]:
     """One row per allocator setting and budget for `call` (see the module docstring, part 2)."""
     profiled = planner.profile(call.model, call.args, example_kwargs=call.kwargs or None)
     reference = profiled.plan(budget_bytes=2**62, budget_kind=BudgetKind.ALLOCATED, solver=SOLVER)
@@ -144,7 +152,7 @@ def _rows(call: Call, device: torch.device, fractions: tuple[float, ...], worksp
                     reserved.expandable_reserved_peak_bytes if conf else reserved.reserved_peak_bytes
                 )
                 measured = _measured(plan, call, device)
-                allocated = measured["allocated_bytes"] - workspace_bytes
+                allocated = measured["allocated_bytes"]
                 row = {
                     "model": call.name,
                     "allocator": conf or "default",
@@ -210,16 +218,32 @@ def _node_times(device: torch.device, names: tuple[str, ...]) -> dict[str, Any]:
         analytic = planner.profile(
             call.model, call.args, example_kwargs=call.kwargs or None, cost_model="analytic", device=spec
         ).graph
-        ratios = [
-            m.forward_ms / a.forward_ms
+        pairs = [
+            (m, a)
             for m, a in zip(measured.nodes, analytic.nodes, strict=False)
             if m.name == a.name and a.forward_ms > 0 and m.forward_ms > 0
         ]
+        ratios = [m.forward_ms / a.forward_ms for m, a in pairs]
         report[call.name] = {
             "nodes": len(ratios),
             "median_measured_over_analytic": statistics.median(ratios) if ratios else None,
             "min": min(ratios, default=None),
             "max": max(ratios, default=None),
+            "measured_step_overheads_ms": {
+                "checkpoint_call_ms": measured.checkpoint_call_ms,
+                "checkpoint_op_ms": measured.checkpoint_op_ms,
+            },
+            "per_node": [  # to fit the roofline's floor (a kernel launch) to the card
+                {
+                    "name": m.name,
+                    "op": m.op,
+                    "measured_forward_ms": m.forward_ms,
+                    "measured_backward_ms": m.backward_ms,
+                    "analytic_forward_ms": a.forward_ms,
+                    "analytic_backward_ms": a.backward_ms,
+                }
+                for m, a in pairs
+            ],
         }
     return report
 
@@ -272,7 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         names = (*FIDELITY_ZOO, *HF_MODELS)
     fractions = (0.5,) if arguments.quick else FRACTIONS
-    workspace_bytes = int(facts.get("measured_cublas_workspace_bytes", 0))
     document: dict[str, Any] = {
         "device": facts,
         "ran_on": str(device),
@@ -287,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             for call in _calls((name,), device):
-                document["rows"].extend(_rows(call, device, fractions, workspace_bytes))
+                document["rows"].extend(_rows(call, device, fractions))
         except Exception as error:  # noqa: BLE001 - one model's failure is a finding, not the end of the run
             document["failures"].append(_failure(name, "rows", error))
         document["summary"] = _summary(document["rows"], started)

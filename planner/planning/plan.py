@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from planner.ir import Schedule, TrainingStep
+from planner.ir import BudgetKind, Schedule, TrainingStep
 from planner.report.export import hf_kwargs, torch_snippet
 from planner.report.summary import render_summary
 from planner.simulation.reserved import memory_snapshot, write_snapshot
@@ -60,7 +60,12 @@ class ProfiledStep(Protocol):
     def settings(self) -> StepSettings: ...
 
     def plan(
-        self, *, budget_gb: float | None = None, budget_bytes: int | None = None, solver: str = "auto"
+        self,
+        *,
+        budget_gb: float | None = None,
+        budget_bytes: int | None = None,
+        solver: str = "auto",
+        budget_kind: BudgetKind | str | None = None,
     ) -> Plan: ...
 
     def predicted_peak_bytes(
@@ -78,17 +83,26 @@ class Plan(SolvedPlan):
     for a plan loaded from JSON). `replan` solves it again."""
 
     def replan(
-        self, *, budget_gb: float | None = None, budget_bytes: int | None = None, solver: str = "auto"
+        self,
+        *,
+        budget_gb: float | None = None,
+        budget_bytes: int | None = None,
+        solver: str = "auto",
+        budget_kind: BudgetKind | str | None = None,
     ) -> Plan:
         """The same model at another budget or with another solver, from this plan's captured and
-        profiled graph: no new profiling, so both plans' predictions rest on the same node times."""
+        profiled graph: no new profiling, so both plans' predictions rest on the same node times. The
+        budget bounds what this plan's did (`budget_kind`), unless told otherwise."""
         if self.profile is None:
             raise ValueError(
                 "this plan has no model to rewrite (it was loaded from JSON); call "
                 "planner.profile(model, ...).plan(...) or planner.optimize(model, ...) with the new budget "
                 "or solver instead"
             )
-        return self.profile.plan(budget_gb=budget_gb, budget_bytes=budget_bytes, solver=solver)
+        kind = self.budget_kind if budget_kind is None else budget_kind
+        return self.profile.plan(
+            budget_gb=budget_gb, budget_bytes=budget_bytes, solver=solver, budget_kind=kind
+        )
 
     def predicted_peak_bytes_for(self, *inputs: Any, **kwargs: Any) -> int:
         """Predicted peak of the training step when each micro-batch is `model(*inputs, **kwargs)`:

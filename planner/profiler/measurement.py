@@ -1,15 +1,25 @@
 """Measures what a training step really costs: peak memory and step time.
 
-On a GPU the peak is `torch.cuda.max_memory_allocated`. On the CPU there is no allocator statistic, and
-the step counts the bytes of live tensor storages instead (`LiveStorageTracker` in counting.py), both
-in blocks and in exact bytes, and `measure_step` reports both.
+On a GPU the peak is `torch.cuda.max_memory_allocated`, less what other tensors hold. On the CPU there is
+no allocator statistic, and the step counts the bytes of live tensor storages instead
+(`LiveStorageTracker` in counting.py), both in blocks and in exact bytes, and `measure_step` reports
+both.
 
 NOTE [compiled steps]: the tracker cannot count a `torch.compile`d step. Dynamo runs no compiled code
 while a TorchDispatchMode is active (it runs the frame eagerly, and keeps skipping it afterwards), and
-inductor's generated code allocates its buffers with `empty_strided_cpu`, which no dispatch mode
-sees. For a compiled model on the CPU `measure_step` therefore counts the CPU allocator's own events
+inductor's generated code allocates its buffers with `empty_strided_cpu`, which no dispatch mode sees.
+For a compiled model on the CPU `measure_step` therefore counts the CPU allocator's own events
 (`torch.profiler` with `profile_memory=True`: every allocation and free, inductor's included) on top of
 the storages that exist when it starts (`AllocatorPhases` in counting.py).
+
+NOTE [other tensors on the device]: the CUDA allocator's statistics are the whole device's, and a user
+measuring a copy of `plan.module` still holds the model it came from, its example batch and whatever else
+the process made (the first `make gpu-check` on an H100 measured every plan above its budget that way, by
+up to 500 MB on a 270 MB step). The tracker on the CPU counts only the step's model, inputs and optimizer
+state and the storages made during the step, so on a GPU `measure_step` counts the same: it collects
+garbage, takes the bytes allocated on the device less the step's resident storages (parameters, their
+gradients, buffers, inputs, optimizer state), and leaves them out of the peaks. They stay in the reserved
+peak, as the allocator cannot say which of its segments they pin.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from planner.ir import MemoryCounting, OptimizerName, TrainingStep
 from planner.profiler.counting import (
     AllocatorPhases,
     LiveStorageTracker,
+    storage_bytes,
     tensors_in,
 )
 from planner.simulation.allocator import AllocatorEvent
@@ -130,6 +141,9 @@ class MeasuredStep:
     tensor bytes (on a GPU: the allocator's requested bytes). Compare a plan's prediction with
     `peak_in(plan.graph.memory_counting)`. `reserved_peak_bytes` is what the allocator reserved from
     the device (`torch.cuda.max_memory_reserved`): None on the CPU, which has no caching allocator.
+    On a GPU `others_bytes` is what other tensors held on the device when the step began, left out of
+    `peak_bytes` and `exact_peak_bytes` but not of `reserved_peak_bytes` (NOTE [other tensors on the
+    device]); on the CPU the live-storage tracker never counts them, and it is 0.
     """
 
     peak_bytes: int
@@ -138,6 +152,7 @@ class MeasuredStep:
     device: str
     exact_peak_bytes: int = 0
     reserved_peak_bytes: int | None = None
+    others_bytes: int = 0
 
     def peak_in(self, counting: MemoryCounting) -> int:
         """The peak as `counting` counts it."""
@@ -206,19 +221,33 @@ class _Peaks:
     phase_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     exact_bytes: int = 0
     reserved_bytes: int | None = None
+    others_bytes: int = 0
 
 
-def _cuda_peaks(run: Callable[[Callable[[str], None]], None], device: torch.device) -> _Peaks:
-    """Two steps on a GPU: the allocator's own statistics (allocated bytes are 512-byte blocks)."""
-    peaks = _Peaks(reserved_bytes=0)
+def _cuda_peaks(
+    run: Callable[[Callable[[str], None]], None], device: torch.device, resident: list[torch.Tensor]
+) -> _Peaks:
+    """Two steps on a GPU: the allocator's own statistics (allocated bytes are 512-byte blocks), less
+    what other tensors held on the device when the step began (NOTE [other tensors on the device])."""
+    gc.collect()  # garbage of earlier steps (an optimizer in a reference cycle) is not this step's
     torch.cuda.synchronize(device)
+    on_device = [tensor for tensor in resident if tensor.device == device]
+    stats = torch.cuda.memory_stats(device)
+    others_bytes = max(
+        0, stats["allocated_bytes.all.current"] - storage_bytes(on_device, MemoryCounting.BLOCKS)
+    )
+    others_exact_bytes = max(
+        0, stats["requested_bytes.all.current"] - storage_bytes(on_device, MemoryCounting.EXACT)
+    )
+    peaks = _Peaks(reserved_bytes=0, others_bytes=others_bytes)
     torch.cuda.reset_peak_memory_stats(device)
 
     def on_phase(phase: str) -> None:
         torch.cuda.synchronize(device)
         stats = torch.cuda.memory_stats(device)
-        peaks.phase_bytes[phase] = max(peaks.phase_bytes.get(phase, 0), stats["allocated_bytes.all.peak"])
-        peaks.exact_bytes = max(peaks.exact_bytes, stats["requested_bytes.all.peak"])
+        allocated_bytes = stats["allocated_bytes.all.peak"] - others_bytes
+        peaks.phase_bytes[phase] = max(peaks.phase_bytes.get(phase, 0), allocated_bytes)
+        peaks.exact_bytes = max(peaks.exact_bytes, stats["requested_bytes.all.peak"] - others_exact_bytes)
         peaks.reserved_bytes = max(peaks.reserved_bytes or 0, stats["reserved_bytes.all.peak"])
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -280,7 +309,8 @@ def measure_step(
     resident = [*model.parameters(), *model.buffers(), *tensors_in((inputs, kwargs))]
     resident += _optimizer_state_tensors(built)
     if device.type == "cuda":
-        peaks = _cuda_peaks(run, device)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        peaks = _cuda_peaks(run, device, [*resident, *grads])
     elif is_compiled(model):
         model.zero_grad(set_to_none=True)  # a gradient freed inside the window would not be seen freed
         peaks = _allocator_peaks(run, resident)
@@ -295,6 +325,7 @@ def measure_step(
         device=str(device),
         exact_peak_bytes=peaks.exact_bytes,
         reserved_peak_bytes=peaks.reserved_bytes,
+        others_bytes=peaks.others_bytes,
     )
 
 

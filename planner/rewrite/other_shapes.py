@@ -220,7 +220,9 @@ class CallDispatch:
         self, model: torch.nn.Module, profiled: Capture, regions: Sequence[RegionNodes], split: Split
     ) -> None:
         self.model = model
-        self.profiled = profiled
+        self.profiled = dataclasses.replace(profiled, inputs=())
+        """Without the example call: a planned module must neither keep the user's batch alive nor copy it
+        (`copy.deepcopy` of a tensor made by `.to("cuda")` from one that requires grad raises)."""
         self.regions = list(regions)
         self.split = split
         self.entries: list[tuple[GraphCall, fx.GraphModule]] = [

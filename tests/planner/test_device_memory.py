@@ -129,6 +129,24 @@ def test_a_budget_for_a_named_gpu_is_reserved_memory_on_its_memory_less_what_it_
     assert device_spec("a100-40gb").library_workspace_bytes == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)
 
 
+def test_a_replan_bounds_what_its_plan_bounded() -> None:
+    """On a GPU the default budget is reserved memory; a plan asked for in allocated bytes (what
+    `max_memory_allocated` reports, as bench.compare's peers are measured) must stay so when replanned.
+    The first bench.compare on an H100 replanned at a peer's allocated peak as reserved bytes and called
+    every budget "below our predicted min"."""
+    model, inputs = build_model("seed000_mlp")
+    allocated = planner.optimize(
+        model, inputs, cost_model="analytic", device="h100-80gb", budget_bytes=2**40, budget_kind="allocated"
+    )
+    budget = (allocated.min_peak_bytes + allocated.baseline_peak_bytes) // 2
+    replanned = allocated.replan(budget_bytes=budget, solver="dp")
+    assert replanned.budget_kind is BudgetKind.ALLOCATED
+    assert replanned.predicted_peak_bytes <= budget
+    reserved = allocated.replan(budget_bytes=2**40, budget_kind="reserved")
+    assert reserved.budget_kind is BudgetKind.RESERVED
+    assert reserved.replan(budget_bytes=2**40).budget_kind is BudgetKind.RESERVED
+
+
 def test_capacity_on_a_card_plans_against_what_the_card_leaves() -> None:
     table = planner.capacity(
         lambda batch: build_model("seed000_mlp", batch=batch), batch=[2, 4, 8], device="rtx4090"

@@ -69,6 +69,19 @@ def test_planned_module_is_a_drop_in_for_the_model() -> None:
         torch.testing.assert_close(planned(*inputs), reference(*inputs))
 
 
+def test_a_planned_module_copies_when_its_example_was_moved_to_the_device() -> None:
+    """`x.to("cuda")` of an input that requires grad is no leaf, and a leaf-less tensor cannot be
+    deep-copied: the first `make gpu-check` failed so on seed003_feedforward. Here `x * 1` stands in for
+    the move; the planned module must hold no example tensor, so its copy trains like the model."""
+    model, (leaf,) = build_model("seed003_feedforward")
+    moved = leaf * 1
+    assert moved.requires_grad and not moved.is_leaf
+    plan = planner.optimize(model, (moved,), budget_bytes=2**40, solver="dp")
+    assert plan.module is not None
+    copied = copy.deepcopy(plan.module)
+    assert_same_step(one_step(model, (leaf,)), one_step(copied, (leaf,)))
+
+
 def test_optimize_leaves_the_model_and_the_rng_as_they_were() -> None:
     model, inputs = build_model("cnn_bn_dropout")
     parameters = copy.deepcopy(model.state_dict())

@@ -133,11 +133,31 @@ def _measured(plan: planner.Plan, call: Call, device: torch.device) -> dict[str,
         "exact_bytes": step.exact_peak_bytes,
         "reserved_bytes": step.reserved_peak_bytes,
         "others_bytes": step.others_bytes,
+        "phase_bytes": step.phase_peak_bytes,
     }
 
 
-def _rows(call: Call, device: torch.device, fractions: tuple[float, ...]) -> list[dict]:
-    """One row per allocator setting and budget for `call` (see the module docstring, part 2)."""
+@contextmanager
+def _recorded(path: Path | None, device: torch.device) -> Iterator[None]:
+    """With `path` on CUDA: the allocator's history of what runs inside, written as a memory snapshot
+    (pytorch.org/memory_viz reads it) to calibrate the reserved-memory model against."""
+    if path is None or device.type != "cuda":
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    try:
+        yield
+        torch.cuda.memory._dump_snapshot(str(path))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _rows(
+    call: Call, device: torch.device, fractions: tuple[float, ...], snapshots: Path | None = None
+) -> list[dict]:
+    """One row per allocator setting and budget for `call` (see the module docstring, part 2); with
+    `snapshots`, the default allocator's middle budget leaves `<model>_measured.pickle` (the measured
+    steps' allocator history) and `<model>_plan.json` (the plan, its graph included) there."""
     profiled = planner.profile(call.model, call.args, example_kwargs=call.kwargs or None)
     reference = profiled.plan(budget_bytes=2**62, budget_kind=BudgetKind.ALLOCATED, solver=SOLVER)
     rows = []
@@ -151,7 +171,13 @@ def _rows(call: Call, device: torch.device, fractions: tuple[float, ...]) -> lis
                 predicted_reserved = (
                     reserved.expandable_reserved_peak_bytes if conf else reserved.reserved_peak_bytes
                 )
-                measured = _measured(plan, call, device)
+                recorded = snapshots is not None and not conf and fraction == fractions[len(fractions) // 2]
+                if recorded:
+                    assert snapshots is not None
+                    (snapshots / f"{call.name}_plan.json").write_text(plan.to_json())
+                snapshot = snapshots / f"{call.name}_measured.pickle" if recorded and snapshots else None
+                with _recorded(snapshot, device):
+                    measured = _measured(plan, call, device)
                 allocated = measured["allocated_bytes"]
                 row = {
                     "model": call.name,
@@ -279,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_MODELS)}, one budget")
     parser.add_argument("--models", help="comma-separated zoo or zoo_real names (default: all)")
     parser.add_argument(
+        "--snapshots", type=Path, help="write each model's measured allocator history and plan here (CUDA)"
+    )
+    parser.add_argument(
         "--deadline-s",
         type=float,
         default=420.0,
@@ -304,13 +333,15 @@ def main(argv: list[str] | None = None) -> int:
         "not_run": [],
     }
     arguments.out.parent.mkdir(parents=True, exist_ok=True)
+    if arguments.snapshots is not None:
+        arguments.snapshots.mkdir(parents=True, exist_ok=True)
     for name in names:
         if time.perf_counter() - started > arguments.deadline_s:
             document["not_run"].append(name)
             continue
         try:
             for call in _calls((name,), device):
-                document["rows"].extend(_rows(call, device, fractions))
+                document["rows"].extend(_rows(call, device, fractions, arguments.snapshots))
         except Exception as error:  # noqa: BLE001 - one model's failure is a finding, not the end of the run
             document["failures"].append(_failure(name, "rows", error))
         document["summary"] = _summary(document["rows"], started)

@@ -35,7 +35,6 @@ from planner.ir import ActivationGraph, CostModel, MemoryCounting, Node, Phase, 
 from planner.profiler.attention import planned_attention
 from planner.profiler.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
 from planner.profiler.counting import (
-    LiveStorageTracker,
     counted_bytes,
     counting_scope,
     current_counting,
@@ -132,7 +131,7 @@ class _ProfilingInterpreter(fx.Interpreter):
         `every_new` every new storage still alive (a split call's glue: its locals live on)."""
         tracker = self.tracker
         if tracker is not None:
-            record.forward_peak_bytes = tracker.peak_bytes
+            record.forward_peak_bytes = tracker.peak_bytes + tracker.library_workspace_bytes()
             record.keep_cache_bytes = tracker.keep_cache_since_mark_bytes
             fresh = {id(storage): storage for storage in tracker.fresh_storages()}
             made = (
@@ -248,6 +247,12 @@ def preserved_state(model: torch.nn.Module) -> Iterator[None]:
                     buffer.copy_(saved)
 
 
+def _cuda_device(model: torch.nn.Module, inputs: tuple[Any, ...]) -> torch.device | None:
+    """The CUDA device the step runs on (its first parameter's or input's), or None."""
+    first = next(iter([*model.parameters(), *tensors_in(inputs)]), None)
+    return first.device if first is not None and first.device.type == "cuda" else None
+
+
 def _grad_targets(model: torch.nn.Module, inputs: tuple[Any, ...]) -> list[torch.Tensor]:
     targets: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
     targets += [t for t in tensors_in(inputs) if t.requires_grad]
@@ -259,7 +264,7 @@ class _BackwardClock:
     """Segments backward into per-node intervals opened by grad_fn pre-hooks."""
 
     interpreter: _ProfilingInterpreter
-    tracker: LiveStorageTracker | None
+    tracker: ProfilingTracker | None
     current: str | None = None
     opened_at: float = 0.0
     backward_ms: dict[str, float] = field(default_factory=dict)
@@ -287,7 +292,8 @@ class _BackwardClock:
             self.backward_ms.get(self.current, 0.0) + (time.perf_counter() - self.opened_at) * 1e3
         )
         if self.tracker is not None:
-            record.backward_peak_bytes = max(record.backward_peak_bytes or 0, self.tracker.peak_bytes)
+            peak_bytes = self.tracker.peak_bytes + self.tracker.library_workspace_bytes()
+            record.backward_peak_bytes = max(record.backward_peak_bytes or 0, peak_bytes)
             self.tracker.reset_peak()
         self.current = None
 
@@ -470,6 +476,7 @@ def _profiled_graph(
     with preserved_state(model):
         split = static_split_calls(graph_module, inputs, split_calls(captured))
         tracker = ProfilingTracker()
+        tracker.cuda_device = _cuda_device(model, inputs)
         static_tensors = [*model.parameters(), *model.buffers(), *tensors_in(inputs)]
         static_tensors += extra_static_tensors(graph_module)
         tracker.track(static_tensors)

@@ -95,3 +95,29 @@ def test_profile_and_Profile_stay_public_after_their_module_loads() -> None:
 
     assert callable(planner.profile) and planner.profile.__module__ == "planner.planning.model"
     assert isinstance(planner.Profile, type)
+
+
+def test_a_cuda_workspace_no_tensor_holds_counts_in_the_node_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [library workspaces]: what the CUDA allocator's peak rose by beyond the storages the tracker
+    saw is workspace. The allocator is stood in for here (no GPU in CI); test_gpu.py's convolutional
+    model checks it against a real one."""
+    import torch
+
+    from planner.ir import MemoryCounting
+    from planner.profiler.records import ProfilingTracker
+
+    stats = {"allocated_bytes.all.current": 10_240, "allocated_bytes.all.peak": 10_240}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    tracker = ProfilingTracker()
+    tracker.counting = MemoryCounting.BLOCKS
+    assert tracker.library_workspace_bytes() == 0  # off CUDA: nothing to read
+    tracker.cuda_device = torch.device("cuda", 0)
+    tracker.reset_peak()
+    with tracker:
+        output = torch.empty(1000)  # 4,000 bytes: one 4,096-byte block as the allocator counts it
+    stats["allocated_bytes.all.peak"] = 10_240 + 4_096 + 1_048_576  # and a 1 MiB workspace, freed
+    assert tracker.library_workspace_bytes() == 1_048_576
+    stats["allocated_bytes.all.peak"] = 10_240 + 4_096
+    assert tracker.library_workspace_bytes() == 0
+    del output

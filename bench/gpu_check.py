@@ -2,8 +2,8 @@
 
 Why it exists: every byte figure the planner promises for a GPU (512-byte blocks, the caching allocator's
 reserved memory, what a card holds back for the CUDA context and cuBLAS) is modelled on a CPU, where CI
-and development run. The day a GPU is lent, this measures all of them at once (at most 8 minutes on one
-H100, nothing downloaded) and writes `bench/results/gpu_check.json`:
+and development run. The day a GPU is lent, this measures all of them at once (80 seconds of script on
+one H100, nothing downloaded) and writes `bench/results/gpu_check.json`:
 
 1. `device`: the card, and what it holds back, measured: the CUDA context (the card's used memory
    beyond what the allocator reserved, from `torch.cuda.mem_get_info` right after initialisation) and

@@ -297,8 +297,8 @@ def plan(
     budget_kind: Annotated[
         str | None,
         typer.Option(
-            help="What the budget bounds: reserved (CUDA's caching allocator, predicted; the default for a "
-            "model on a GPU) or allocated (the default elsewhere)."
+            help="What the budget bounds: allocated (the default: max_memory_allocated, in 512-byte blocks) "
+            "or reserved (CUDA's caching allocator, predicted and not yet calibrated; see docs/memory.md)."
         ),
     ] = None,
     exact_bytes: Annotated[

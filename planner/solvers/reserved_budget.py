@@ -1,7 +1,7 @@
 """Solving under a reserved budget: the plan whose predicted reserved memory fits, found by allocated solves.
 
 Why it exists: a GPU runs out of memory when CUDA's caching allocator cannot reserve more, and a reserved
-budget (`budget_kind='reserved'`, the default on a GPU) bounds that. The solvers bound allocated bytes,
+budget (`budget_kind='reserved'`, asked for by name) bounds that. The solvers bound allocated bytes,
 which they add up region by region; reserved bytes depend on the whole order of allocations, so they
 cannot. This solves a reserved budget as a few allocated ones, each plan's reserved peak predicted by
 simulation/reserved.py (NOTE [reserved budgets]). It lives with the solvers because it calls them; the

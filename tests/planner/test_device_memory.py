@@ -111,14 +111,14 @@ def test_a_reserved_budget_is_kept_as_the_allocator_would_reserve_it() -> None:
         exact.plan(budget_bytes=budget, budget_kind="reserved")
 
 
-def test_a_budget_for_a_named_gpu_is_reserved_memory_on_its_memory_less_what_it_holds_back() -> None:
+def test_a_budget_for_a_named_gpu_is_its_memory_less_what_it_holds_back() -> None:
     spec = device_spec("h100-80gb")
     assert spec.held_back_bytes == 2**30 + 2 * 32 * 2**20  # the context allowance and two cuBLAS workspaces
     model, inputs = build_model("seed000_mlp")
     plan = planner.optimize(model, inputs, cost_model="analytic", device="h100-80gb")
     assert plan.budget_bytes == spec.usable_memory_bytes == 80 * 2**30 - spec.held_back_bytes
     assert plan.card == "h100-80gb" and plan.held_back_bytes == spec.held_back_bytes
-    assert plan.budget_kind is BudgetKind.RESERVED  # planned for a CUDA card
+    assert plan.budget_kind is BudgetKind.ALLOCATED  # measured within 0.73 % on an H100; reserved is not yet
     assert "held back for the CUDA context and cuBLAS workspaces" in plan.summary()
     restored = planner.Plan.from_json(plan.to_json())
     assert (restored.card, restored.held_back_bytes, restored.budget_kind) == (

@@ -239,6 +239,9 @@ class StaticBytes:
     """Gradient bytes live through forward and backward: `accumulated_gradient_bytes` when the training
     step keeps gradients between micro-batches (see `for_training_step` in simulation/micro_batches.py),
     else 0."""
+    forward_gradient_bytes: int = 0
+    """Gradient bytes live through the forward alone, freed before backward: `accumulated_gradient_bytes`
+    when `zero_grad` runs between forward and backward (Lightning's automatic optimization), else 0."""
     clip_workspace_bytes: int = 0
     """Temporaries of `clip_grad_norm_` on top of the gradients (per-gradient norms, the total norm)."""
     unscale_workspace_bytes: int = 0
@@ -261,7 +264,21 @@ class TrainingStep:
     """The training step a plan's budget holds for: what runs between two `optimizer.step()` calls.
 
     One step is `zero_grad`, then `accumulation_steps` micro-batches of forward, loss and backward,
-    then (optionally) `GradScaler.unscale_` and `clip_grad_norm_`, then `optimizer.step()`.
+    then (optionally) `GradScaler.unscale_` and `clip_grad_norm_`, then `optimizer.step()`. With
+    `zero_grad_before_backward`, `zero_grad` runs after the first micro-batch's forward and loss instead.
+
+    NOTE [loop orders]: where a loop zeroes the gradients decides how long the last step's gradients
+    live, and so the peak:
+
+    - before the forward (a plain PyTorch loop, the Hugging Face Trainer, Lightning's manual
+      optimization and Fabric loops as their docs write them): no gradient during the forward; the
+      default;
+    - between forward and backward (Lightning's automatic optimization: `training_step`, then
+      `optimizer_zero_grad`, then backward): the previous step's gradients are alive through the
+      forward and freed before backward; `zero_grad_before_backward=True`, or
+      `TrainingStep.from_lightning(trainer)`;
+    - in place (`zero_grad(set_to_none=False)`) or with accumulation: gradients alive through forward
+      and backward of every (later) micro-batch, whichever the order (`gradients_resident`).
     """
 
     accumulation_steps: int = 1
@@ -275,6 +292,10 @@ class TrainingStep:
     zero_grad_set_to_none: bool = True
     """`zero_grad(set_to_none=True)`, PyTorch's default: gradients are freed between steps. With False
     they are zeroed in place and stay alive through every forward."""
+    zero_grad_before_backward: bool = False
+    """`zero_grad` runs after the forward and the loss, before backward (Lightning's automatic
+    optimization), not before the forward: the last step's gradients are alive through the forward
+    (NOTE [loop orders]). With accumulation, only the first micro-batch of a step is zeroed so."""
 
     def __post_init__(self) -> None:
         steps = self.accumulation_steps
@@ -293,6 +314,54 @@ class TrainingStep:
     def gradients_resident(self) -> bool:
         """Whether gradients are alive through a micro-batch's forward and backward (some micro-batch)."""
         return self.accumulation_steps > 1 or not self.zero_grad_set_to_none
+
+    @property
+    def gradients_in_forward(self) -> bool:
+        """Whether the last step's gradients are alive through some micro-batch's forward."""
+        return self.gradients_resident or self.zero_grad_before_backward
+
+    @property
+    def loop(self) -> str:
+        """The loop order this step describes, in words (NOTE [loop orders])."""
+        zeroed = (
+            "zero_grad between forward and backward"
+            if self.zero_grad_before_backward
+            else ("zero_grad before the forward")
+        )
+        if not self.zero_grad_set_to_none:
+            zeroed = "zero_grad(set_to_none=False)"
+        if self.accumulation_steps > 1:
+            zeroed += f", {self.accumulation_steps} micro-batches accumulated"
+        return zeroed
+
+    @classmethod
+    def from_lightning(cls, trainer_or_module: Any) -> TrainingStep:
+        """The step PyTorch Lightning runs for a `Trainer` (or a `LightningModule` attached to one):
+        `accumulate_grad_batches`; `gradient_clip_val` with `gradient_clip_algorithm="norm"` (clipping by
+        value works in place and costs no memory); a GradScaler for `precision="16-mixed"`. Automatic
+        optimization zeroes gradients between forward and backward (NOTE [loop orders]); a module with
+        `automatic_optimization = False` zeroes them where its `training_step` does, which the docs'
+        recipe does before the forward, so its step is that one. bf16 and 16-bit autocast itself shapes the
+        profiled graph: profile under the same autocast."""
+        module = trainer_or_module if hasattr(trainer_or_module, "automatic_optimization") else None
+        if module is not None and not module.automatic_optimization:
+            return cls()
+        trainer = getattr(module, "_trainer", None) if module is not None else trainer_or_module
+        if trainer is None or not hasattr(trainer, "accumulate_grad_batches"):
+            raise TypeError(
+                "TrainingStep.from_lightning needs a pytorch_lightning Trainer, or a LightningModule "
+                "with automatic_optimization = False, or one attached to a Trainer; got "
+                f"{type(trainer_or_module).__name__}"
+            )
+        clip_value = getattr(trainer, "gradient_clip_val", None)
+        clip_by_norm = getattr(trainer, "gradient_clip_algorithm", None) in (None, "norm")
+        precision = str(getattr(trainer, "precision", "32-true"))
+        return cls(
+            accumulation_steps=int(trainer.accumulate_grad_batches),
+            max_grad_norm=float(clip_value) if clip_value and clip_by_norm else None,
+            grad_scaler=precision in ("16-mixed", "16"),
+            zero_grad_before_backward=True,
+        )
 
     @classmethod
     def from_training_args(cls, args: Any) -> TrainingStep:

@@ -128,7 +128,9 @@ def checked_peak_bytes(plan: Plan, module: torch.nn.Module, call: ExampleStep) -
             resident += tensors_in((call.inputs, call.kwargs))
             with AllocatorPhases(resident, plan.graph.memory_counting) as allocator:
                 call.run(module, allocator.on_phase)
-            measured_bytes = max(allocator.peaks.values())
+            # NOTE [loop orders]: gradients alive through the forward alone count in its phase only
+            forward_bytes = allocator.peaks.get("forward", 0) + static.forward_gradient_bytes
+            measured_bytes = max(forward_bytes, *allocator.peaks.values())
             measured_bytes += static.optimizer_state_bytes + static.resident_gradient_bytes
         elif device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -137,6 +139,7 @@ def checked_peak_bytes(plan: Plan, module: torch.nn.Module, call: ExampleStep) -
             call.run(module)
             torch.cuda.synchronize(device)
             measured_bytes = torch.cuda.max_memory_allocated(device) - before_bytes + static.resident_bytes
+            measured_bytes += static.forward_gradient_bytes  # NOTE [loop orders]: an upper bound here
         else:
             return None
     after_backward = [step.live_bytes for step in plan.simulation.trace if step.phase.after_backward]

@@ -183,8 +183,9 @@ def _train_step(
     """One optimizer step as `step` describes it, each micro-batch on `inputs`; `on_phase` is called
     at the end of each phase ("forward", "backward", ...) with its name."""
     zero_grad = optimizer.zero_grad if optimizer is not None else model.zero_grad
-    zero_grad(set_to_none=step.zero_grad_set_to_none)
-    for _ in range(step.accumulation_steps):
+    if not step.zero_grad_before_backward:
+        zero_grad(set_to_none=step.zero_grad_set_to_none)
+    for micro_batch in range(step.accumulation_steps):
         for tensor in tensors_in((inputs, kwargs)):
             tensor.grad = None  # each micro-batch gets a fresh batch; its gradient does not carry over
         on_phase("start")
@@ -192,6 +193,8 @@ def _train_step(
         loss = loss_fn(model(*inputs, **kwargs))
         end_autocast_forward()
         on_phase("forward")
+        if step.zero_grad_before_backward and micro_batch == 0:  # NOTE [loop orders] in ir.py
+            zero_grad(set_to_none=step.zero_grad_set_to_none)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         del loss
         on_phase("backward")

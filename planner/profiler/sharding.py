@@ -54,6 +54,7 @@ def shard_graph(
         gradient_bytes=_per_rank(static.gradient_bytes, world_size),
         accumulated_gradient_bytes=_per_rank(static.accumulated_gradient_bytes, world_size),
         resident_gradient_bytes=_per_rank(static.resident_gradient_bytes, world_size),
+        forward_gradient_bytes=_per_rank(static.forward_gradient_bytes, world_size),
         optimizer_state_bytes=_per_rank(static.optimizer_state_bytes, world_size),
         optimizer_step_workspace_bytes=_per_rank(static.optimizer_step_workspace_bytes, world_size),
     )

@@ -38,6 +38,7 @@ import contextvars
 import copy
 import functools
 import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -472,10 +473,52 @@ def guard_gradients(module: torch.nn.Module, step: TrainingStep) -> torch.nn.Mod
     a plan made for that step (`TrainingStep(accumulation_steps=k)`) accepts it. Only a training forward
     with grad enabled is checked, so evaluation between backward and step still runs.
     """
-    if step.gradients_resident:
+    if step.gradients_in_forward:
         return module
     add_forward_pre_hook(module, _refuse_alive_gradients)
     return module
+
+
+_LOOPS = (
+    (
+        ("pytorch_lightning.loops.optimization.automatic", "lightning.pytorch.loops.optimization.automatic"),
+        "PyTorch Lightning's automatic optimization, which zeroes gradients between training_step and "
+        "backward",
+        "step=planner.TrainingStep.from_lightning(trainer)",
+    ),
+    (
+        ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"),
+        "a PyTorch Lightning or Fabric loop",
+        "step=planner.TrainingStep.from_lightning(trainer) for automatic optimization, else "
+        "step=planner.TrainingStep(accumulation_steps=k) for k accumulated micro-batches",
+    ),
+    (
+        ("transformers.trainer",),
+        "the Hugging Face Trainer with gradient accumulation",
+        "step=planner.TrainingStep.from_training_args(training_args)",
+    ),
+    (
+        ("accelerate",),
+        "an accelerate loop that accumulates gradients",
+        "step=planner.TrainingStep(accumulation_steps=k), k as in Accelerator(gradient_accumulation_steps=k)",
+    ),
+)
+"""(module name prefixes on the call stack, the loop they run, the step to plan it with)."""
+
+
+def recognised_loop() -> tuple[str, str] | None:
+    """(the training loop on the call stack, the `step=` that plans it) for the loops of `_LOOPS`."""
+    modules = []
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        modules.append(str(frame.f_globals.get("__name__", "")))
+        frame = frame.f_back
+    for prefixes, loop, advice in _LOOPS:
+        if any(
+            module == prefix or module.startswith(prefix + ".") for module in modules for prefix in prefixes
+        ):
+            return loop, advice
+    return None
 
 
 def add_forward_pre_hook(
@@ -495,14 +538,22 @@ def _refuse_alive_gradients(module: torch.nn.Module, _args: Any) -> None:
         return
     for name, parameter in module.named_parameters():
         if parameter.grad is not None:
+            recognised = recognised_loop()
+            advice = (
+                f"This looks like {recognised[0]}: plan it with planner.optimize(..., {recognised[1]})."
+                if recognised is not None
+                else "Plan the step you run: planner.optimize(..., step=planner.TrainingStep("
+                "accumulation_steps=k)) for accumulation, TrainingStep(zero_grad_before_backward=True) "
+                "for a loop that zeroes gradients between forward and backward, "
+                "TrainingStep(zero_grad_set_to_none=False) for zero_grad(set_to_none=False); or call "
+                "optimizer.zero_grad(set_to_none=True) before each forward."
+            )
             raise UnplannedStep(
                 f"plan.module ran a training forward while parameter {name!r} still holds a gradient "
                 f"({format_bytes(parameter.grad.untyped_storage().nbytes())}) from an earlier backward. "
-                "The plan is for one micro-batch after zero_grad(set_to_none=True), which counts no gradient "
-                "during forward; gradient accumulation or zero_grad(set_to_none=False) keep every gradient "
-                "alive here and can exceed the budget. Plan the step you run: planner.optimize(..., "
-                "step=planner.TrainingStep(accumulation_steps=k)) (or zero_grad_set_to_none=False), or "
-                "call optimizer.zero_grad(set_to_none=True) before each forward."
+                "The plan is for one micro-batch after zero_grad(set_to_none=True) before the forward, which "
+                "counts no gradient during forward; a loop that keeps gradients here can exceed the budget "
+                f"by all of them. {advice}"
             )
 
 

@@ -137,6 +137,7 @@ FRAME_FILENAME = "<simulated>"
 AllocatorEvent = tuple[Literal["malloc"], str, int] | tuple[Literal["free"], str]
 """One step of a replay: ("malloc", name, size_bytes) or ("free", name)."""
 
+
 def roundup_power2_next_division(size_bytes: int, divisions: int) -> int:
     """`roundup_power2_next_division`: `size_bytes` up to the next of `divisions` equal steps between the
     powers of two around it (1200 B in 4 divisions of [1024, 2048) -> 1280 B)."""

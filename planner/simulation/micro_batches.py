@@ -17,6 +17,11 @@ and each node's `parameter_gradient_bytes` moves into its backward workspace. So
 simulator then need no notion of micro-batches. Input gradients are new tensors in every micro-batch;
 they are made by the first nodes, at the very end of backward, so counting them as transients there
 changes nothing measurable.
+
+A step that zeroes gradients between forward and backward (NOTE [loop orders] in ir.py) and keeps none
+between micro-batches is the first micro-batch with the last step's gradients alive through its forward:
+`StaticBytes.forward_gradient_bytes`, which the simulator and the solvers count on forward points alone.
+With accumulation it is the resident case above, whose later micro-batches are at least as high.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ def for_training_step(graph: ActivationGraph, step: TrainingStep) -> ActivationG
             "(planner.optimize(..., step=...) profiles it again)"
         )
     if not step.gradients_resident:
-        return dataclasses.replace(graph, step=step)
+        forward_bytes = graph.static.accumulated_gradient_bytes if step.zero_grad_before_backward else 0
+        static = dataclasses.replace(graph.static, forward_gradient_bytes=forward_bytes)
+        return dataclasses.replace(graph, static=static, step=step)
     nodes = tuple(
         dataclasses.replace(
             node,
@@ -57,6 +64,8 @@ def describe_micro_batch(step: TrainingStep) -> str:
     """Which micro-batch sets a forward/backward peak under `step`, in words (empty for one micro-batch
     that starts with no gradient)."""
     if not step.gradients_resident:
+        if step.zero_grad_before_backward:
+            return "with the last step's gradients alive through the forward (zero_grad before backward)"
         return ""
     if step.zero_grad_set_to_none:
         return "in the second micro-batch (and every later one), with all gradients alive"

@@ -82,6 +82,10 @@ from planner.ir import (
 from planner.simulation.allocation_log import REPLAY_SUFFIX, AllocationLog
 from planner.simulation.micro_batches import describe_micro_batch
 
+FORWARD_GRADIENTS = "#forward-gradients"
+"""The allocation log's name for the last step's gradients alive through the forward (NOTE [loop
+orders] in ir.py)."""
+
 __all__ = [
     "CheckpointRule",
     "LiveBytes",
@@ -481,10 +485,14 @@ def simulate(
         return None if name in held or name in cached else last_read.get(name, -1)
 
     live = LiveBytes(sizes, log=log)
+    forward_gradient_bytes = graph.static.forward_gradient_bytes  # NOTE [loop orders] in ir.py
+    if log is not None:
+        log.malloc(FORWARD_GRADIENTS, forward_gradient_bytes)
     for index, node in enumerate(graph.nodes):
         running = live.total_bytes + _bytes(sizes, node.creates)
         components = {
             **static,
+            Component.GRADIENTS: static[Component.GRADIENTS] + forward_gradient_bytes,
             Component.ACTIVATIONS: running,
             Component.WORKSPACE: node.forward_workspace_bytes,
         }
@@ -505,6 +513,8 @@ def simulate(
     taken_at: dict[int, list[str]] = {}
     for name, trigger in cached.items():
         taken_at.setdefault(trigger, []).append(name)
+    if log is not None:
+        log.free(FORWARD_GRADIENTS)  # zero_grad between forward and backward
     last = len(graph.nodes) - 1
     pending = LiveBytes(sizes, descending=True, log=log)
     for name in live.names:

@@ -315,9 +315,11 @@ def storage_bytes(chain: Chain, names: Iterable[str]) -> int:
 
 
 def _forward_points(chain: Chain, region: Region, inputs: set[str], retained: set[str]) -> list[int]:
-    """Live bytes of the region's own storages at each forward node; `retained` never leave in forward
-    (held for backward, cached by a keep, or used after the region)."""
+    """Live bytes of the region's own storages at each forward node, with the gradients alive through
+    the forward alone (NOTE [loop orders] in ir.py); `retained` never leave in forward (held for
+    backward, cached by a keep, or used after the region)."""
     graph = chain.graph
+    forward_gradient_bytes = graph.static.forward_gradient_bytes
     keep = set(region.keep)
     live = LiveBytes(chain.sizes)
 
@@ -330,7 +332,9 @@ def _forward_points(chain: Chain, region: Region, inputs: set[str], retained: se
     for index in range(region.start, region.stop):
         node = graph.nodes[index]
         created_bytes = sum(chain.sizes[name] for name in node.creates if name not in live.names)
-        points.append(live.total_bytes + created_bytes + node.forward_workspace_bytes)
+        points.append(
+            live.total_bytes + created_bytes + node.forward_workspace_bytes + forward_gradient_bytes
+        )
         for name in node.creates:
             live.add(name, leaves_after(name), index)
         if index in keep:

@@ -68,14 +68,17 @@ def test_a_graph_keeps_its_counting_through_json_and_older_documents_count_exact
         planner.profile(model, inputs, memory_counting="kib")
 
 
+@pytest.mark.parametrize("lightning_order", [False, True])
 @pytest.mark.parametrize("name", ["seed003_feedforward", "gpt_tiny", "cnn_bn_dropout"])
 def test_the_allocation_log_adds_up_to_the_simulated_peak_and_the_allocator_never_reserves_less(
-    name: str,
+    name: str, lightning_order: bool
 ) -> None:
     """The order the allocator model replays is the simulator's own: its live bytes peak exactly where
-    the simulator's do, at every budget; reserved >= allocated >= that peak."""
+    the simulator's do, at every budget, also with gradients alive through the forward alone (NOTE
+    [loop orders]); reserved >= allocated >= that peak."""
     model, inputs = build_model(name)
-    profiled = planner.profile(model, inputs, cost_model="analytic", device="cpu")
+    step = planner.TrainingStep(zero_grad_before_backward=lightning_order)
+    profiled = planner.profile(model, inputs, cost_model="analytic", device="cpu", step=step)
     reference = profiled.plan(budget_bytes=2**40)
     for fraction in (0.0, 0.4, 1.0):
         span = reference.baseline_peak_bytes - reference.min_peak_bytes

@@ -106,6 +106,38 @@ def test_zero_grad_without_set_to_none_and_grad_scaler_fit_and_are_predicted() -
     check_step("cnn_bn_dropout", "adam", step)
 
 
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+@pytest.mark.parametrize("name", MODELS)
+def test_zero_grad_between_forward_and_backward_fits_and_is_predicted(
+    name: str, max_grad_norm: float | None
+) -> None:
+    """Lightning's automatic optimization (NOTE [loop orders]): the last step's gradients are alive
+    through the forward and freed before backward."""
+    check_step(
+        name, "adam", planner.TrainingStep(zero_grad_before_backward=True, max_grad_norm=max_grad_norm)
+    )
+
+
+def test_gradients_alive_in_the_forward_alone_cost_no_more_than_gradients_kept_throughout() -> None:
+    model, inputs = build("gpt_small")
+    profiled = {
+        step.loop: planner.profile(model, inputs, step=step, cost_model="analytic", device="cpu")
+        for step in (
+            planner.TrainingStep(),
+            planner.TrainingStep(zero_grad_before_backward=True),
+            planner.TrainingStep(zero_grad_set_to_none=False),
+        )
+    }
+    plain, lightning, in_place = (profile.plan(budget_bytes=2**40) for profile in profiled.values())
+    gradient_bytes = lightning.graph.static.forward_gradient_bytes
+    assert gradient_bytes == plain.graph.static.accumulated_gradient_bytes > 0
+    assert plain.predicted_peak_bytes < lightning.predicted_peak_bytes <= in_place.predicted_peak_bytes
+    assert lightning.min_peak_bytes <= in_place.min_peak_bytes
+    peak = lightning.simulation
+    assert peak.peak_phase is Phase.FORWARD or peak.peak_bytes < plain.predicted_peak_bytes + gradient_bytes
+    assert "alive through the forward" in lightning.summary()
+
+
 def test_foreach_temporaries_are_counted_where_the_optimizer_step_sets_the_peak() -> None:
     """Issue 18's second failure: on an MLP whose optimizer step sets the peak, a foreach Adam instance
     measured 12 % over a plan that counted single-tensor temporaries. Foreach holds temporaries the

@@ -215,6 +215,24 @@ def test_lightning_with_accumulation_and_clipping_reads_them_from_the_trainer() 
     )
 
 
+def test_from_lightning_reads_the_trainer_and_refuses_what_is_not_one() -> None:
+    trainer = _trainer(
+        accumulate_grad_batches=3,
+        gradient_clip_val=0.5,
+        gradient_clip_algorithm="value",
+        precision="bf16-mixed",
+    )
+    expected = planner.TrainingStep(accumulation_steps=3, zero_grad_before_backward=True)
+    assert planner.TrainingStep.from_lightning(trainer) == expected  # by value: in place; bf16: no scaler
+    module = _lightning_module(_gpt2(), manual=False)
+    with pytest.raises(TypeError, match="attached to a Trainer; got LanguageModel"):
+        planner.TrainingStep.from_lightning(module)
+    module._trainer = trainer
+    assert planner.TrainingStep.from_lightning(module) == expected
+    with pytest.raises(TypeError, match="needs a pytorch_lightning Trainer"):
+        planner.TrainingStep.from_lightning(object())
+
+
 def test_lightning_manual_optimization_is_the_plain_step() -> None:
     module = _lightning_module(_gpt2(), manual=True)
     step = planner.TrainingStep.from_lightning(module)

@@ -181,11 +181,19 @@ class Node:
     """Of the backward residual, what is live when the node's backward first unpacks a saved tensor (the
     gradients in flight): where a replay the node triggers runs (NOTE [early stop] in simulation/step.py).
     None where it was not measured (module-level and synthetic graphs)."""
+    replay_stop_bytes: int | None = None
+    """What the node's forward holds on top of what was live before it, at its peak up to the moment it
+    saves its last tensor: where a replay that it triggers stops (NOTE [early stop] in
+    simulation/step.py), before the operators after that save (an opaque block's last ones) run. Set only
+    where it is below the node's outputs and forward workspace; None elsewhere: such a replay runs the
+    whole forward."""
     backward_points: tuple[tuple[int, tuple[str, ...]], ...] = ()
     """(workspace bytes, storages freed before) at moments of the node's backward where its saved
     storages are freed part way, as a compiled backward frees them after their last reader (a weight
     gradient's input, read before the input gradient is made): the simulator subtracts those the
-    schedule releases at this node (NOTE [early release] in simulation/step.py). Empty where the whole
+    schedule releases at this node (NOTE [early release] in simulation/step.py). An eager node of many
+    autograd operators whose measured backward peak is below what holding its saves would give has one
+    entry (NOTE [freed part way in eager backward] in profiler/interpreter.py). Empty where the whole
     backward holds its saved storages, as eager autograd does: `backward_workspace_bytes` then."""
     parameter_gradient_bytes: int = 0
     """Parameter (and input) gradient bytes that first appear during this node's backward."""

@@ -70,6 +70,8 @@ class NodeRecord:
     backward_peak_bytes: int | None = None
     unpack_live_bytes: int | None = None
     """Live bytes when the node's backward first unpacks a saved tensor (where a replay would run)."""
+    last_pack_peak_bytes: int | None = None
+    """The node's forward peak up to its last save: where a replay it triggers stops (NOTE [early stop])."""
     parameter_gradient_bytes: int = 0
     keep_cache_bytes: int = 0
     forward_flops: int = 0

@@ -64,6 +64,10 @@ def shard_graph(
             parameter_gradient_bytes=_per_rank(node.parameter_gradient_bytes, world_size),
             forward_workspace_bytes=node.forward_workspace_bytes + unit_parameter_bytes,
             backward_workspace_bytes=node.backward_workspace_bytes + unit_parameter_bytes,
+            backward_points=tuple(
+                (workspace_bytes + unit_parameter_bytes, freed)
+                for workspace_bytes, freed in node.backward_points
+            ),
         )
         for node in graph.nodes
     )

@@ -51,6 +51,10 @@ def for_training_step(graph: ActivationGraph, step: TrainingStep) -> ActivationG
         dataclasses.replace(
             node,
             backward_workspace_bytes=node.backward_workspace_bytes + node.parameter_gradient_bytes,
+            backward_points=tuple(
+                (workspace_bytes + node.parameter_gradient_bytes, freed)
+                for workspace_bytes, freed in node.backward_points
+            ),
             parameter_gradient_bytes=0,
         )
         for node in graph.nodes

@@ -39,10 +39,13 @@ outputs after, so a trigger that saves only tensors made before it (a Linear sav
 replay before it allocates its outputs or workspace, and before its operator runs, so it adds no
 recompute time; one that saves what it makes (a ReLU its output) stops after. Every storage a node saves
 that it did not receive is among its `creates`, so the two cases are told apart by the graph alone
-(`stops_before_outputs`). The replay runs when the trigger's backward unpacks its first saved tensor:
-the gradients in flight have arrived, the gradients it computes (and its parameters') are not made yet.
-The profiling step measures what is live at that unpack (`Node.replay_workspace_bytes`, see
-profiler/interpreter.py).
+(`stops_before_outputs`). A node of many operators (an opaque module call) may save its last tensor
+before its last operators run: the profiling step measures its forward's peak up to that save
+(`Node.replay_stop_bytes`), and a replay it triggers holds that and the saved outputs it made, not its
+whole forward (issue 35: 139,776 bytes on a mixture-of-experts block). The replay runs when the
+trigger's backward unpacks its first saved tensor: the gradients in flight have arrived, the
+gradients it computes (and its parameters') are not made yet. The profiling step measures what is
+live at that unpack (`Node.replay_workspace_bytes`, see profiler/interpreter.py).
 
 NOTE [selective keeps]: a node in a CHECKPOINT region's `keep` runs under a selective checkpoint policy
 that saves its operators' outputs (MUST_SAVE). What those operators allocate, less the casts and
@@ -317,6 +320,16 @@ def replay_region(
             points.append(live.total_bytes + sum(sizes[name] for name in remade))
             for name in remade:
                 live.add(name, leaves_after(name, index), index)
+        elif index == trigger and _stops_inside(node, sizes, live):
+            # Only the saved outputs are made before the last save (NOTE [early stop]).
+            saved_made = [name for name in node.creates if name in kept and name not in live.names]
+            made_bytes = sum(sizes[name] for name in saved_made)
+            running_bytes = max(node.replay_stop_bytes or 0, made_bytes)
+            points.append(live.total_bytes + running_bytes)
+            for name in saved_made:
+                live.add(name, leaves_after(name, index), index)
+            if log is not None:
+                log.transient(f"{node.name}#replay-workspace", running_bytes - made_bytes)
         else:
             created_bytes = sum(sizes[name] for name in node.creates if name not in live.names)
             points.append(live.total_bytes + created_bytes + node.forward_workspace_bytes)
@@ -328,6 +341,15 @@ def replay_region(
         live.finish(index)
     recompute_ms += selective_overhead_ms(graph, region)
     return Replay(points_bytes=tuple(points), kept=kept, recompute_ms=recompute_ms)
+
+
+def _stops_inside(node: Node, sizes: dict[str, int], live: LiveBytes) -> bool:
+    """Whether a replay that ends at `node` stops part way through its forward, at its last save, below
+    what running it whole holds (`Node.replay_stop_bytes`, NOTE [early stop])."""
+    if node.replay_stop_bytes is None:
+        return False
+    created_bytes = sum(sizes[name] for name in node.creates if name not in live.names)
+    return node.replay_stop_bytes < created_bytes + node.forward_workspace_bytes
 
 
 def replay_workspace_bytes(graph: ActivationGraph, index: int) -> int:
@@ -355,6 +377,22 @@ def backward_workspace(node: Node, pending: LiveBytes, index: int) -> int:
         return sum(sizes[name] for name in names if name in leaving or f"{name}{REPLAY_SUFFIX}" in leaving)
 
     return max(workspace_bytes - released(freed) for workspace_bytes, freed in node.backward_points)
+
+
+def _release_early(node: Node, pending: LiveBytes, index: int) -> int:
+    """`backward_workspace`, first freeing the storages the node frees part way where that workspace is
+    negative (its measured backward peak below its saves: NOTE [freed part way in eager backward] in
+    profiler/interpreter.py): the same live bytes, with no component below zero, and the allocation log
+    frees them before the workspace rather than skip a negative one."""
+    workspace = backward_workspace(node, pending, index)
+    if workspace >= 0:
+        return workspace
+    freed = {name for _, names in node.backward_points for name in names}
+    for name in list(pending.leaving_at(index)):
+        if name.removesuffix(REPLAY_SUFFIX) in freed and name in pending.names:
+            workspace += pending.sizes[name.removesuffix(REPLAY_SUFFIX)]
+            pending.remove(name)
+    return workspace
 
 
 def stops_before_outputs(node: Node) -> bool:
@@ -549,7 +587,7 @@ def simulate(
         components = {
             **static,
             Component.GRADIENTS: static[Component.GRADIENTS] + gradient_bytes,
-            Component.WORKSPACE: backward_workspace(node, pending, index),
+            Component.WORKSPACE: _release_early(node, pending, index),
             Component.ACTIVATIONS: pending.total_bytes,
         }
         timeline.observe(Phase.BACKWARD, node.name, components, trace)

@@ -48,13 +48,16 @@ NODE_NUMBERS = (
     "forward_workspace_bytes",
     "backward_workspace_bytes",
     "replay_workspace_bytes",
+    "replay_stop_bytes",
     "parameter_gradient_bytes",
     "keep_cache_bytes",
     "forward_flops",
     "moved_bytes",
     "operator_count",
 )
-"""Integer fields of a Node that may change with the size (replay_workspace_bytes may be None)."""
+"""Integer fields of a Node that may change with the size (replay_workspace_bytes and replay_stop_bytes
+may be None). The workspaces of `backward_points` change too (after these, in order); how many points a
+node has and what each frees must not."""
 
 STATIC_NUMBERS = tuple(field.name for field in dataclasses.fields(StaticBytes))
 
@@ -85,6 +88,9 @@ def _numbers(graph: ActivationGraph) -> _Numbers:
         for field in NODE_NUMBERS:
             values.append(getattr(node, field))
             labels.append(f"node {node.name} {field}")
+        for point, (workspace_bytes, _) in enumerate(node.backward_points):
+            values.append(workspace_bytes)
+            labels.append(f"node {node.name} backward_points[{point}]")
     for field in STATIC_NUMBERS:
         values.append(getattr(graph.static, field))
         labels.append(f"static {field}")
@@ -95,6 +101,7 @@ def _zeroed(node: Node) -> dict[str, Any]:
     """Replacements that zero a node's numbers and times (None stays None)."""
     zeros: dict[str, Any] = {"forward_ms": 0.0, "backward_ms": 0.0}
     zeros.update({field: None if getattr(node, field) is None else 0 for field in NODE_NUMBERS})
+    zeros["backward_points"] = tuple((0, freed) for _, freed in node.backward_points)
     return zeros
 
 
@@ -154,6 +161,7 @@ def _rebuild(skeleton: ActivationGraph, values: Sequence[int | None], spec: Devi
     nodes = []
     for node in skeleton.nodes:
         node_numbers: dict[str, Any] = {field: next(numbers) for field in NODE_NUMBERS}
+        node_numbers["backward_points"] = tuple((next(numbers), freed) for _, freed in node.backward_points)
         nodes.append(dataclasses.replace(node, **node_numbers))
     static_numbers: dict[str, Any] = {field: next(numbers) for field in STATIC_NUMBERS}
     static = dataclasses.replace(skeleton.static, **static_numbers)

@@ -108,6 +108,7 @@ class RegionCosts:
                 for workspace_bytes, freed in node.backward_points
             ),
             node.replay_workspace_bytes,
+            node.replay_stop_bytes,
             node.parameter_gradient_bytes,
         )
 

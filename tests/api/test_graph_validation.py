@@ -56,6 +56,7 @@ def test_synthetic_graph_arguments_are_checked() -> None:
             "does not create it",
         ),
         (_replace_node(GRAPH, 3, backward_workspace_bytes=-1), "nodes[3].backward_workspace_bytes", "-1"),
+        (_replace_node(GRAPH, 3, replay_stop_bytes=-1), "nodes[3].replay_stop_bytes", "-1"),
         (_replace_node(GRAPH, 3, forward_ms=math.inf), "nodes[3].forward_ms", "inf"),
         (
             dataclasses.replace(GRAPH, static=dataclasses.replace(GRAPH.static, input_bytes=-2)),

@@ -80,3 +80,26 @@ def test_a_size_where_a_byte_count_would_be_fractional_gets_no_graph() -> None:
     assert family.graph_at(3) is None
     rescaled = family.graph_at(8)
     assert rescaled is not None and rescaled.storage_bytes["s0"] == 3
+
+
+def _with_point(graph: ActivationGraph, workspace_bytes: int, freed: tuple[str, ...]) -> ActivationGraph:
+    nodes = list(graph.nodes)
+    nodes[1] = dataclasses.replace(nodes[1], backward_points=((workspace_bytes, freed),))
+    return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
+def test_the_workspaces_of_backward_points_rescale_and_what_they_free_must_not_change() -> None:
+    """A node freed part way (NOTE [freed part way in eager backward], issue 35) rescales its points'
+    workspaces like any number; a point that frees other storages at another size is refused."""
+    base = _attention_graph(16)
+    freed = (next(iter(base.storage_bytes)),)
+    graphs = {size: _with_point(base, 512 * size, freed) for size in (16, 24, 32)}
+    family = GraphFamily.fit(graphs, SPEC)
+    rescaled = family.graph_at(40)
+    assert rescaled is not None and rescaled.nodes[1].backward_points == ((512 * 40, freed),)
+    assert family.mismatch(40, _with_point(base, 512 * 40 + 1, freed)) == (
+        f"at 40, node {base.nodes[1].name} backward_points[0]: rescaled {512 * 40}, captured {512 * 40 + 1}"
+    )
+    graphs[32] = _with_point(base, 512 * 32, ())
+    with pytest.raises(NotRescalable, match="differs in backward_points"):
+        GraphFamily.fit(graphs, SPEC)

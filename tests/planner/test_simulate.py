@@ -6,8 +6,10 @@ import dataclasses
 
 import pytest
 
-from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule
+from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule, SimulationResult
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
+from planner.simulation.allocator import replay
+from planner.simulation.reserved import allocation_events
 from planner.simulation.step import simulate, store_everything
 from planner.solvers.chain import build_chain, region_cost
 from planner.testing.synthetic_graphs import MIB, chain_graph, with_selective_price
@@ -176,3 +178,75 @@ def test_a_compiled_backward_frees_what_its_replay_made_before_its_largest_buffe
     assert at_n2 == (STATIC_MIB + 4 + 1) * MIB + MIB // 4
     points = region_cost(build_chain(graph), schedule.regions[1], held_in=frozenset()).points_bytes
     assert at_n2 - STATIC_MIB * MIB in points, "the solvers cost the region as the simulator replays it"
+
+
+def _opaque_block(**changes: object) -> ActivationGraph:
+    """chain_graph([2, 2, 2]) whose n1 is a block of many operators: it also makes and saves a 12 MiB
+    `inner` tensor, and makes 20 MiB of parameter gradients, so its backward sets the peak."""
+    graph = chain_graph([2, 2, 2])
+    nodes = list(graph.nodes)
+    nodes[0] = dataclasses.replace(nodes[0], backward_workspace_bytes=0)
+    nodes[1] = dataclasses.replace(
+        nodes[1],
+        creates=("s1", "inner"),
+        saves=("s0", "inner"),
+        parameter_gradient_bytes=20 * MIB,
+        **changes,  # type: ignore[arg-type]
+    )
+    # Every gradient the allocation log makes is a node's; the optimizer step holds them all.
+    gradient_bytes = sum(node.parameter_gradient_bytes for node in nodes)
+    static = dataclasses.replace(graph.static, gradient_bytes=gradient_bytes)
+    storage_bytes = {**graph.storage_bytes, "inner": 12 * MIB}
+    return dataclasses.replace(graph, nodes=tuple(nodes), storage_bytes=storage_bytes, static=static)
+
+
+def test_an_eager_block_that_frees_its_saves_part_way_is_predicted_so_and_logged_exactly() -> None:
+    """NOTE [freed part way in eager backward] (profiler/interpreter.py, issue 35): n1's backward peaks at
+    1 MiB above what was live before its saves (s0, inner: 14 MiB), which it frees as it goes. The
+    prediction is that peak, not the saves held through it, and the allocation log frees them before the
+    workspace rather than skip a negative one: its live bytes peak where the simulator's do."""
+    graph = _opaque_block(backward_points=((1 * MIB, ("s0", "inner")),))
+    schedule = store_everything(graph)
+    result = simulate(graph, schedule)
+
+    def at_n1(result: SimulationResult) -> int:
+        return next(s.live_bytes for s in result.trace if s.phase is Phase.BACKWARD and s.node == "n1")
+
+    gradients = 20 * MIB + MIB // 4
+    assert at_n1(result) == STATIC_MIB * MIB + gradients + 1 * MIB
+    assert replay(allocation_events(graph, schedule)).peak_requested_bytes == result.peak_bytes
+    held = simulate(_opaque_block(), schedule)
+    assert at_n1(held) == at_n1(result) - 1 * MIB + 14 * MIB + 2 * MIB, "s0, inner and its residual"
+    assert held.peak_bytes == at_n1(held) > result.peak_bytes
+    assert graph_from_dict(graph_to_dict(graph)) == graph
+
+
+def test_a_replay_stops_at_the_last_save_of_a_block_of_many_operators() -> None:
+    """NOTE [early stop]: n1 saves `inner` before it makes its 2 MiB output, so a replay of it holds
+    `inner` (its measured peak up to that save, `replay_stop_bytes`), not its whole forward; the solvers
+    cost the region so, and the allocation log adds up to the simulated peak."""
+    schedule = Schedule(
+        regions=(
+            Region(0, 1, RegionPolicy.STORE),
+            Region(1, 2, RegionPolicy.CHECKPOINT),
+            Region(2, 4, RegionPolicy.STORE),
+        ),
+        solver="test",
+    )
+
+    def replay_bytes(graph: ActivationGraph) -> int:
+        result = simulate(graph, schedule)
+        assert replay(allocation_events(graph, schedule)).peak_requested_bytes == result.peak_bytes
+        return next(s.live_bytes for s in result.trace if s.phase is Phase.RECOMPUTE and s.node == "n1")
+
+    stopped = _opaque_block(replay_stop_bytes=12 * MIB)
+    assert replay_bytes(stopped) == replay_bytes(_opaque_block()) - 2 * MIB
+    assert graph_from_dict(graph_to_dict(stopped)) == stopped
+    costs = [
+        region_cost(build_chain(graph), schedule.regions[1], held_in=frozenset()).points_bytes
+        for graph in (stopped, _opaque_block())
+    ]
+    forward, at_replay, backward = (after - before for before, after in zip(*costs, strict=True))
+    assert (forward, at_replay, backward) == (0, 2 * MIB, 0), (
+        "the solvers cost the replay as the simulator does"
+    )

@@ -12,7 +12,11 @@ those shapes, small enough for a CPU test step, with activations of megabytes:
   lowest resolution, skips in a list; called with (images, timesteps);
 - `ViTWithEncoder`: a ViT holding an `nn.TransformerEncoder` (norm_first, batch_first) as a child;
 - `MoETransformer`: top-2 mixture-of-experts blocks with data-dependent routing that neither torch.fx
-  nor torch.export can trace.
+  nor torch.export can trace;
+- `InlineMoETransformer` (`inline_moe_call`): the same routing written in the block's own `forward`,
+  beside `nn.MultiheadAttention`, so that every block is one opaque node (issue 35). It is not among
+  `dag_calls` (every test of the real zoo would run it); tests/planner/test_every_instance.py checks
+  every hand method on it as on the zoos' models.
 
 The hand method is what users write today: `checkpoint_wrapper` (non-reentrant) on every instance of a
 module type (`checkpoint_every_instance`), for each type that occurs at least twice
@@ -34,10 +38,12 @@ __all__ = [
     "DeepUNet",
     "DiffusionUNet",
     "EfficientDenseNet",
+    "InlineMoETransformer",
     "MoETransformer",
     "ViTWithEncoder",
     "checkpoint_every_instance",
     "dag_calls",
+    "inline_moe_call",
     "repeated_module_types",
 ]
 
@@ -284,6 +290,55 @@ class MoETransformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class InlineMoEBlock(nn.Module):
+    """Pre-norm block: `nn.MultiheadAttention`, then top-2 routing over four experts written in this
+    `forward` (no child module holds it), so the capture keeps the whole block as one node."""
+
+    def __init__(self, width: int, heads: int = 4, experts: int = 4) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(width)
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(Expert(width) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        attended, _ = self.attention(h, h, h, need_weights=False)
+        x = x + attended
+        tokens = self.norm2(x).reshape(-1, x.shape[-1])
+        weights, chosen = torch.softmax(self.router(tokens), -1).topk(2, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        mixed = torch.zeros_like(tokens)
+        for index, expert in enumerate(self.experts):
+            rows, slots = (chosen == index).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            mixed.index_add_(0, rows, expert(tokens[rows]) * weights[rows, slots].unsqueeze(-1))
+        return x + mixed.reshape(x.shape)
+
+
+class InlineMoETransformer(nn.Module):
+    def __init__(self, vocabulary: int = 512, width: int = 128, depth: int = 6, sequence: int = 64) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, width)
+        self.position = nn.Parameter(torch.zeros(1, sequence, width))
+        self.blocks = nn.ModuleList(InlineMoEBlock(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocabulary)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(token_ids) + self.position[:, : token_ids.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def inline_moe_call() -> tuple[nn.Module, tuple[Any, ...]]:
+    """`InlineMoETransformer` and its tokens (8, 64) (the caller seeds it)."""
+    return InlineMoETransformer(), (torch.randint(512, (8, 64)),)
 
 
 def dag_calls() -> dict[str, tuple[nn.Module, tuple[Any, ...]]]:

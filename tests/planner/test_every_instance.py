@@ -28,7 +28,12 @@ from planner.capture.chain import has_hooks
 from planner.capture.records import CapturePath
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulation.step import simulate
-from planner.testing.zoo_dag import checkpoint_every_instance, repeated_module_types
+from planner.testing.zoo_dag import (
+    InlineMoEBlock,
+    checkpoint_every_instance,
+    inline_moe_call,
+    repeated_module_types,
+)
 from planner.testing.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
 
@@ -135,3 +140,28 @@ def test_at_the_module_level_every_unit_type_checkpointed_by_hand_is_a_plan_of_t
         )
         checked += 1
     assert checked, f"{name}: no repeated module type is a unit"
+
+
+def test_a_block_with_its_routing_inline_is_never_above_checkpointing_every_instance() -> None:
+    """Issue 35: a top-2 mixture of experts whose routing (`nonzero`, `index_add_`) is in the block's own
+    `forward` is one opaque node per block. Its backward frees what each operator saved as it goes, and a
+    replay of it stops at its last save; predicted as if it held every save and ran whole, its lowest
+    peak was 66,986,496 bytes, 1,322,496 above `checkpoint_wrapper` on every block (65,664,000), and
+    that budget was refused as impossible. Every hand method on it is checked as on the zoos'."""
+    torch.manual_seed(0)
+    model, inputs = inline_moe_call()
+    plan = planner.optimize(copy.deepcopy(model), inputs, budget_bytes=2**40, solver="dp")
+    blocks = [node.name for node in plan.graph.nodes if node.name.startswith("blocks_")]
+    assert plan.capture.startswith(f"{CapturePath.FX.value} (opaque: blocks.0,"), plan.capture
+    assert blocks == [f"blocks_{index}" for index in range(6)], [node.name for node in plan.graph.nodes]
+    hand = {
+        kind.__name__: planner.measure(checkpoint_every_instance(model, kind), inputs).peak_bytes
+        for kind in hook_free_types(model)
+    }
+    assert InlineMoEBlock.__name__ in hand, sorted(hand)
+    for kind, peak_bytes in hand.items():
+        assert plan.min_peak_bytes <= peak_bytes, (kind, plan.min_peak_bytes, peak_bytes)
+    budget_bytes = min(hand.values())
+    at_hand = plan.replan(budget_bytes=budget_bytes, solver="dp")
+    measured = planner.measure(copy.deepcopy(at_hand.module), inputs)
+    assert measured.peak_bytes <= budget_bytes, f"measured {measured.peak_bytes}\n{at_hand.summary()}"

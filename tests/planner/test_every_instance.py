@@ -36,6 +36,7 @@ from planner.testing.zoo_dag import (
 )
 from planner.testing.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
+from tests.planner.real_models import measured_peak_bytes
 
 HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
 
@@ -75,9 +76,7 @@ def hand_peaks(name: str) -> dict[str, int]:
     """Measured peak of checkpointing every instance of each repeated, hook-free module type."""
     call = example_call(name)
     return {
-        kind.__name__: planner.measure(
-            checkpoint_every_instance(call.model, kind), call.args, example_kwargs=call.kwargs
-        ).peak_bytes
+        kind.__name__: measured_peak_bytes(name, checkpoint_every_instance(call.model, kind), call)
         for kind in hook_free_types(call.model)
     }
 
@@ -99,10 +98,9 @@ def test_lowest_peak_is_never_above_checkpointing_every_instance(name: str) -> N
         )
     budget_bytes = min(hand_peaks(name).values())
     at_hand = plan.replan(budget_bytes=budget_bytes, solver="dp")
-    measured = planner.measure(copy.deepcopy(at_hand.module), call.args, example_kwargs=call.kwargs)
-    assert measured.peak_bytes <= budget_bytes, (
-        f"{name}: planned at the hand method's {budget_bytes}, measured {measured.peak_bytes}\n"
-        f"{at_hand.summary()}"
+    measured = measured_peak_bytes(name, copy.deepcopy(at_hand.module), call)
+    assert measured <= budget_bytes, (
+        f"{name}: planned at the hand method's {budget_bytes}, measured {measured}\n{at_hand.summary()}"
     )
 
 

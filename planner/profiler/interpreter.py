@@ -248,12 +248,6 @@ def preserved_state(model: torch.nn.Module) -> Iterator[None]:
                     buffer.copy_(saved)
 
 
-def _cuda_device(model: torch.nn.Module, inputs: tuple[Any, ...]) -> torch.device | None:
-    """The CUDA device the step runs on (its first parameter's or input's), or None."""
-    first = next(iter([*model.parameters(), *tensors_in(inputs)]), None)
-    return first.device if first is not None and first.device.type == "cuda" else None
-
-
 def _grad_targets(model: torch.nn.Module, inputs: tuple[Any, ...]) -> list[torch.Tensor]:
     targets: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
     targets += [t for t in tensors_in(inputs) if t.requires_grad]
@@ -511,7 +505,8 @@ def _profiled_graph(
     with preserved_state(model):
         split = static_split_calls(graph_module, inputs, split_calls(captured))
         tracker = ProfilingTracker()
-        tracker.cuda_device = _cuda_device(model, inputs)
+        step_device = _device_of(model, inputs)
+        tracker.cuda_device = step_device if step_device.type == "cuda" else None
         static_tensors = [*model.parameters(), *model.buffers(), *tensors_in(inputs)]
         static_tensors += extra_static_tensors(graph_module)
         tracker.track(static_tensors)

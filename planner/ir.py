@@ -193,7 +193,7 @@ class Node:
     gradient's input, read before the input gradient is made): the simulator subtracts those the
     schedule releases at this node (NOTE [early release] in simulation/step.py). An eager node of many
     autograd operators whose measured backward peak is below what holding its saves would give has one
-    entry (NOTE [freed part way in eager backward] in profiler/interpreter.py). Empty where the whole
+    entry (NOTE [freed part way in eager backward] in profiler/calibration.py). Empty where the whole
     backward holds its saved storages, as eager autograd does: `backward_workspace_bytes` then."""
     parameter_gradient_bytes: int = 0
     """Parameter (and input) gradient bytes that first appear during this node's backward."""

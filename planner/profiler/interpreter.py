@@ -9,9 +9,7 @@ on one device runs nodes in reverse creation order, which is the graph's reverse
 The profiling step leaves the model as it found it: gradients go to `torch.autograd.grad` instead of
 `.grad`, and the RNG state and every buffer (BatchNorm statistics) are restored afterwards.
 
-Residuals are calibrated against the simulator itself (see NOTE [measured residuals] in ir.py): the
-activation memory the simulator predicts without checkpointing is subtracted from the measured peak at
-each node, so what remains is what no schedule changes.
+The measured peaks become each node's workspace in calibration.py, against the simulator itself.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import fx
@@ -31,8 +29,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from planner.capture.chain import has_hooks
 from planner.capture.records import Capture
-from planner.ir import ActivationGraph, CostModel, MemoryCounting, Node, Phase, TrainingStep
+from planner.ir import ActivationGraph, CostModel, MemoryCounting, Node, TrainingStep
 from planner.profiler.attention import planned_attention
+from planner.profiler.calibration import calibrate_workspace
 from planner.profiler.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
 from planner.profiler.counting import (
     counted_bytes,
@@ -50,9 +49,8 @@ from planner.profiler.selective_cost import (
 )
 from planner.profiler.split_calls import SplitCall, split_calls, static_split_calls
 from planner.profiler.static_memory import constant_bytes, extra_static_tensors, optimizer_name, static_bytes
-from planner.simulation.step import simulate, stops_before_outputs, store_everything
 
-__all__ = ["LOSS_NODE", "MeasuredPeaks", "build_activation_graph", "calibrate_workspace"]
+__all__ = ["LOSS_NODE", "build_activation_graph"]
 
 LOSS_NODE = "loss"
 TIMING_REPEATS = 3
@@ -385,77 +383,6 @@ def _to_nodes(
             )
         )
     return nodes
-
-
-class MeasuredPeaks(Protocol):
-    """What a profiler measured of one node, for `calibrate_workspace`."""
-
-    forward_peak_bytes: int
-    backward_peak_bytes: int | None
-    unpack_live_bytes: int | None
-    last_pack_peak_bytes: int | None
-
-
-def calibrate_workspace(graph: ActivationGraph, measured: Mapping[str, MeasuredPeaks]) -> ActivationGraph:
-    """Set each node's workspace to measured peak minus the simulator's prediction without them
-    (NOTE [measured residuals] in ir.py); `measured` is keyed by node name.
-
-    NOTE [freed part way in eager backward]: the simulator holds a node's saved storages, and counts all
-    its parameter gradients, through the node's whole backward. A node that is many autograd operators
-    (a module call the capture keeps opaque: a mixture of experts' block with its routing in its own
-    `forward`) frees what each operator saved as its backward goes, so its measured backward peak can be
-    below that prediction, and a residual clamped at zero predicts the node, and every plan's peak set
-    there, too high (issue 35: a whole checkpointed block 1.46 MB above what `checkpoint_wrapper` on it
-    measures). Such a node gets one `backward_points` entry (NOTE [early release] in
-    simulation/step.py): the measured peak as a workspace on top of everything but the storages it saves
-    first, with those as freed before it. Where a schedule releases them at the node (its own saves, or
-    their replay's copies) the node is predicted as measured; where it holds any for a later node, that
-    storage counts in full, as before. A replay the node triggers stops at its last save
-    (`replay_stop_bytes`, NOTE [early stop]), before the operators after it run."""
-    trace = simulate(graph, store_everything(graph)).trace
-    forward_predicted = {step.node: step.live_bytes for step in trace if step.phase is Phase.FORWARD}
-    backward_predicted = {step.node: step.live_bytes for step in trace if step.phase is Phase.BACKWARD}
-    first_saver: dict[str, int] = {}
-    for index, node in enumerate(graph.nodes):
-        for name in node.saves:
-            first_saver.setdefault(name, index)
-    calibrated = []
-    for index, node in enumerate(graph.nodes):
-        record = measured[node.name]
-        forward_workspace = max(0, record.forward_peak_bytes - forward_predicted[node.name])
-        backward_workspace = 0
-        backward_points = node.backward_points
-        if record.backward_peak_bytes is not None:
-            residual = record.backward_peak_bytes - backward_predicted[node.name]
-            released = tuple(name for name in node.saves if first_saver[name] == index)
-            if residual < 0 and released and not backward_points:
-                released_bytes = sum(graph.storage_bytes[name] for name in released)
-                backward_points = ((max(0, residual + released_bytes), released),)
-            backward_workspace = max(0, residual)
-        created_bytes = sum(graph.storage_bytes[name] for name in node.creates)
-        # What was live before the node: its forward step less what it creates and its workspace.
-        before_forward = forward_predicted[node.name] - created_bytes - node.forward_workspace_bytes
-        replay_stop = None
-        if record.last_pack_peak_bytes is not None and not stops_before_outputs(node):
-            stop_bytes = max(0, record.last_pack_peak_bytes - before_forward)
-            if stop_bytes < created_bytes + forward_workspace:
-                replay_stop = stop_bytes
-        replay_workspace = None
-        if record.unpack_live_bytes is not None:
-            # The node's own parameter gradients are not made yet when it unpacks (nor in the replay).
-            before_node = backward_predicted[node.name] - node.parameter_gradient_bytes
-            replay_workspace = max(0, record.unpack_live_bytes - before_node)
-        calibrated.append(
-            dataclasses.replace(
-                node,
-                forward_workspace_bytes=forward_workspace,
-                backward_workspace_bytes=backward_workspace,
-                backward_points=backward_points,
-                replay_workspace_bytes=replay_workspace,
-                replay_stop_bytes=replay_stop,
-            )
-        )
-    return dataclasses.replace(graph, nodes=tuple(calibrated))
 
 
 def build_activation_graph(

@@ -11,7 +11,7 @@ tracker never sees it, yet it counts in `max_memory_allocated` and in the peak. 
 gpu-check` on an H100 measured convolutional and MLP zoo models 2 to 10 MB above their prediction that
 way while transformers matched within 0.7 %. On CUDA the tracker therefore also reads the allocator's
 own peak over each node's forward and backward, and what rose beyond the storages it saw becomes that
-node's workspace (`calibrate_workspace` in interpreter.py). Other devices have no such allocator, and
+node's workspace (`calibrate_workspace` in calibration.py). Other devices have no such allocator, and
 their kernels take no hidden workspace from it.
 """
 

@@ -382,7 +382,7 @@ def backward_workspace(node: Node, pending: LiveBytes, index: int) -> int:
 def _release_early(node: Node, pending: LiveBytes, index: int) -> int:
     """`backward_workspace`, first freeing the storages the node frees part way where that workspace is
     negative (its measured backward peak below its saves: NOTE [freed part way in eager backward] in
-    profiler/interpreter.py): the same live bytes, with no component below zero, and the allocation log
+    profiler/calibration.py): the same live bytes, with no component below zero, and the allocation log
     frees them before the workspace rather than skip a negative one."""
     workspace = backward_workspace(node, pending, index)
     if workspace >= 0:

@@ -201,7 +201,7 @@ def _opaque_block(**changes: object) -> ActivationGraph:
 
 
 def test_an_eager_block_that_frees_its_saves_part_way_is_predicted_so_and_logged_exactly() -> None:
-    """NOTE [freed part way in eager backward] (profiler/interpreter.py, issue 35): n1's backward peaks at
+    """NOTE [freed part way in eager backward] (profiler/calibration.py, issue 35): n1's backward peaks at
     1 MiB above what was live before its saves (s0, inner: 14 MiB), which it frees as it goes. The
     prediction is that peak, not the saves held through it, and the allocation log frees them before the
     workspace rather than skip a negative one: its live bytes peak where the simulator's do."""

@@ -328,20 +328,6 @@ class TrainingStep:
         """Whether the last step's gradients are alive through some micro-batch's forward."""
         return self.gradients_resident or self.zero_grad_before_backward
 
-    @property
-    def loop(self) -> str:
-        """The loop order this step describes, in words (NOTE [loop orders])."""
-        zeroed = (
-            "zero_grad between forward and backward"
-            if self.zero_grad_before_backward
-            else ("zero_grad before the forward")
-        )
-        if not self.zero_grad_set_to_none:
-            zeroed = "zero_grad(set_to_none=False)"
-        if self.accumulation_steps > 1:
-            zeroed += f", {self.accumulation_steps} micro-batches accumulated"
-        return zeroed
-
     @classmethod
     def from_lightning(cls, trainer_or_module: Any) -> TrainingStep:
         """The step PyTorch Lightning runs for a `Trainer` (or a `LightningModule` attached to one):

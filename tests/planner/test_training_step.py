@@ -120,15 +120,17 @@ def test_zero_grad_between_forward_and_backward_fits_and_is_predicted(
 
 def test_gradients_alive_in_the_forward_alone_cost_no_more_than_gradients_kept_throughout() -> None:
     model, inputs = build("gpt_small")
-    profiled = {
-        step.loop: planner.profile(model, inputs, step=step, cost_model="analytic", device="cpu")
-        for step in (
-            planner.TrainingStep(),
-            planner.TrainingStep(zero_grad_before_backward=True),
-            planner.TrainingStep(zero_grad_set_to_none=False),
+    steps = (
+        planner.TrainingStep(),
+        planner.TrainingStep(zero_grad_before_backward=True),
+        planner.TrainingStep(zero_grad_set_to_none=False),
+    )
+    plain, lightning, in_place = (
+        planner.profile(model, inputs, step=step, cost_model="analytic", device="cpu").plan(
+            budget_bytes=2**40
         )
-    }
-    plain, lightning, in_place = (profile.plan(budget_bytes=2**40) for profile in profiled.values())
+        for step in steps
+    )
     gradient_bytes = lightning.graph.static.forward_gradient_bytes
     assert gradient_bytes == plain.graph.static.accumulated_gradient_bytes > 0
     assert plain.predicted_peak_bytes < lightning.predicted_peak_bytes <= in_place.predicted_peak_bytes

@@ -506,7 +506,7 @@ _LOOPS = (
 """(module name prefixes on the call stack, the loop they run, the step to plan it with)."""
 
 
-def recognised_loop() -> tuple[str, str] | None:
+def _recognised_loop() -> tuple[str, str] | None:
     """(the training loop on the call stack, the `step=` that plans it) for the loops of `_LOOPS`."""
     modules = []
     frame: types.FrameType | None = sys._getframe(1)
@@ -538,7 +538,7 @@ def _refuse_alive_gradients(module: torch.nn.Module, _args: Any) -> None:
         return
     for name, parameter in module.named_parameters():
         if parameter.grad is not None:
-            recognised = recognised_loop()
+            recognised = _recognised_loop()
             advice = (
                 f"This looks like {recognised[0]}: plan it with planner.optimize(..., {recognised[1]})."
                 if recognised is not None

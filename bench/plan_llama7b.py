@@ -151,7 +151,7 @@ def main() -> int:
             "python": sys.version.split()[0],
             "torch": torch.__version__,
         },
-        "command": sys.argv,
+        "command": ["python", "-m", "bench.plan_llama7b", *sys.argv[1:]],
         "parameters": parameter_count,
         "config": config.__dict__,
         "budget_gib": arguments.budget_gib,

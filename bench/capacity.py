@@ -1,15 +1,18 @@
-"""How far a 7B Llama-style model goes on 24, 40 and 80 GiB cards at sequence 4,096, planned on this CPU.
+"""How far a 7B Llama-style model goes on an RTX 4090, an A100 40GB and an H100 80GB at sequence 4,096.
 
 Why: "what batch fits my GPU?" is the question people start from. This builds the model of
 `bench/plan_llama7b.py` on the meta device (no weights allocated), searches the micro-batch with
-`planner.capacity` (analytic H100 times, Adam as it runs on a GPU), and reports per card the largest
+`planner.capacity` (analytic H100 times, Adam as it runs on a GPU), each card's budget its memory as
+the driver reports it less the CUDA context and cuBLAS's workspaces (NOTE [card memory] and NOTE [held
+back] in planner/profiler/cost_model.py), and reports per card the largest
 micro-batch without and with checkpointing and the plan's predicted recompute; with `--global-batch`
 it also weighs accumulation against checkpointing on the largest card. It writes
 `bench/results/capacity_llama7b.{json,md}` and the picture `docs/capacity_llama7b.png`, and reports its
 wall time and load average (target: under 2 minutes on the 2-core machine). docs/results.md states the
 cards' rows in its own words: update it after a run.
 
-    .venv/bin/python -m bench.capacity [--sequence 4096] [--batch-max 64] [--cards 24,40,80]
+    .venv/bin/python -m bench.capacity [--sequence 4096] [--batch-max 64]
+        [--cards rtx4090,a100-40gb,h100-80gb]
 """
 
 from __future__ import annotations
@@ -30,20 +33,22 @@ import torch.nn.functional as F
 import planner
 from bench.plan_llama7b import LlamaConfig, LlamaStyle
 from planner.errors import format_bytes
+from planner.profiler.cost_model import device_spec
 from planner.sizing.fitting import render_weighing
 
 log = logging.getLogger("bench.capacity")
 
 DEVICE = "h100-80gb"
-"""The card whose rates price the step; smaller cards are budgets searched on the same graphs."""
-CARD_EXAMPLES = {24: "RTX 4090, L4", 40: "A100 40GB", 48: "L40S, A6000", 80: "H100 80GB, A100 80GB"}
+"""The card whose rates price the step; the other cards are budgets searched on the same graphs."""
 
 
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequence", type=int, default=4096)
     parser.add_argument("--batch-max", type=int, default=64)
-    parser.add_argument("--cards", default="24,40,80", help="card memories in GiB")
+    parser.add_argument(
+        "--cards", default="rtx4090,a100-40gb,h100-80gb", help="named cards (planner/profiler/cost_model.py)"
+    )
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--global-batch", type=int, default=32, help="weigh accumulation on the largest card")
     parser.add_argument("--out", default="bench/results/capacity_llama7b")
@@ -57,10 +62,20 @@ def _loss(logits: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets)
 
 
-def _card_row(table: planner.Capacity, memory_gib: int) -> dict[str, Any]:
+def _card_budget_bytes(card: str) -> int:
+    """What a step may use on `card`: its memory less what it holds back (as `device=card` plans)."""
+    usable = device_spec(card).usable_memory_bytes
+    if usable is None:
+        raise SystemExit(f"card {card!r} does not say how much memory it has; name one that does")
+    return usable
+
+
+def _card_row(table: planner.Capacity, card: str) -> dict[str, Any]:
+    spec = device_spec(card)
     return {
-        "card_gib": memory_gib,
-        "cards": CARD_EXAMPLES.get(memory_gib, ""),
+        "card": card,
+        "memory_bytes": spec.memory_bytes,
+        "budget_bytes": table.budget_bytes,
         "largest_without": table.largest_without,
         "largest_with": table.largest_with,
         "peak_at_largest_bytes": table.peak_at_largest,
@@ -76,22 +91,24 @@ def _markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
         "per card",
         "",
         f"Predicted by `planner.capacity` on the meta device ({header['parameters'] / 1e9:.2f}B bf16 "
-        f"parameters, times analytic for {DEVICE}); `python {' '.join(header['command'])}` in "
+        f"parameters, times analytic for {DEVICE}); `{' '.join(header['command'])}` in "
         f"{header['wall_s']:.0f} s at load {header['load_before']} (1, 5, 15 min) on {header['machine']}.",
         "",
-        "| card memory | e.g. | largest micro-batch, no checkpointing | largest micro-batch, checkpointing "
+        "| card | memory (driver) | budget (less context and workspaces) "
+        "| largest micro-batch, no checkpointing | largest micro-batch, checkpointing "
         "| predicted recompute there | plan's predicted peak |",
-        "|---|---|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
+        card = f"{row['card']} | {format_bytes(row['memory_bytes'])} | {format_bytes(row['budget_bytes'])}"
         without = row["largest_without"] or "none"
         if row["largest_with"] is None:
             lowest = format_bytes(row["lowest_peak_at_smallest_bytes"])
             with_plan = f"none (lowest peak at 1: {lowest})"
-            lines.append(f"| {row['card_gib']} GiB | {row['cards']} | {without} | {with_plan} | - | - |")
+            lines.append(f"| {card} | {without} | {with_plan} | - | - |")
             continue
         lines.append(
-            f"| {row['card_gib']} GiB | {row['cards']} | {without} | {row['largest_with']} "
+            f"| {card} | {without} | {row['largest_with']} "
             f"| {row['overhead_at_largest']:.1%} | {format_bytes(row['peak_at_largest_bytes'])} |"
         )
     return "\n".join(lines) + "\n"
@@ -113,20 +130,27 @@ def main() -> int:
     def report(done: int, expected: int, message: str) -> None:
         sys.stderr.write(f"\r[{done}/{expected}] {message}   ")
 
-    cards = sorted(int(card) for card in arguments.cards.split(","))
+    cards = sorted(arguments.cards.split(","), key=lambda card: device_spec(card).memory_bytes or 0)
+    largest_card = cards[-1]
+    if largest_card != DEVICE:
+        raise SystemExit(
+            f"--cards must end with {DEVICE}, whose rates price the step (got {arguments.cards})"
+        )
     largest = planner.capacity(
         model,
         tokens,
         batch=range(1, arguments.batch_max + 1),
         sequence=arguments.sequence,
         device=DEVICE,
-        budget_gb=cards[-1],
         optimizer=arguments.optimizer,
         loss_fn=_loss,
         global_batch=arguments.global_batch or None,
         progress=report,
     )
-    tables = {cards[-1]: largest, **{card: largest.at_budget(budget_gb=card) for card in cards[:-1]}}
+    tables = {
+        largest_card: largest,
+        **{card: largest.at_budget(budget_bytes=_card_budget_bytes(card)) for card in cards[:-1]},
+    }
     rows = [_card_row(tables[card], card) for card in cards]
     if arguments.plot:
         Path(arguments.plot).parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +162,7 @@ def main() -> int:
     sys.stderr.write("\n")
     header = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "command": sys.argv,
+        "command": ["python", "-m", "bench.capacity", *sys.argv[1:]],
         "parameters": parameter_count,
         "sequence": arguments.sequence,
         "optimizer": arguments.optimizer,
@@ -152,7 +176,7 @@ def main() -> int:
     markdown = _markdown(rows, header)
     if largest.weighing is not None:
         options = "\n".join(render_weighing(largest.weighing))
-        markdown += f"\nGlobal batch {arguments.global_batch} on {cards[-1]} GiB:\n\n```\n{options}\n```\n"
+        markdown += f"\nGlobal batch {arguments.global_batch} on {largest_card}:\n\n```\n{options}\n```\n"
     Path(f"{arguments.out}.md").write_text(markdown)
     sys.stdout.write(str(largest) + "\n\n" + markdown)
     sys.stdout.write(f"wall time {wall_s:.1f} s, load average before {header['load_before']}\n")

@@ -221,11 +221,13 @@ def test_capacity_exits_3_when_nothing_fits_and_2_on_bad_sizes(runner: CliRunner
 def test_capacity_on_the_meta_device_plans_for_a_named_card(runner: CliRunner, tmp_path: Path) -> None:
     json_path = tmp_path / "capacity.json"
     arguments = ["capacity", "zoo:seed000_mlp", "--meta", "--device", "h100-80gb", "--batch", "256,1024"]
-    result = runner.invoke(app, [*arguments, "--quiet", "--json", str(json_path)])
+    plot_path = tmp_path / "cards.png"
+    result = runner.invoke(app, [*arguments, "--quiet", "--json", str(json_path), "--plot", str(plot_path)])
     assert result.exit_code == 0, result.output
+    assert plot_path.stat().st_size > 0
     table = json.loads(json_path.read_text())
     held_back = 2**30 + 2 * 32 * 2**20  # the CUDA context allowance and two 32 MiB cuBLAS workspaces
-    assert table["card"] == "h100-80gb" and table["budget_bytes"] == 80 * 2**30 - held_back
+    assert table["card"] == "h100-80gb" and table["budget_bytes"] == 85_017_493_504 - held_back
     assert table["held_back_bytes"] == held_back
     assert table["timing"] == "analytic (h100-80gb)" and table["largest_without"] == 1024
     assert "the largest batch searched fits: search higher to find the limit" in table["notes"]

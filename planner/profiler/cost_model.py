@@ -33,6 +33,16 @@ card by `make gpu-check` (bench/gpu_check.py):
   handles, the forward's thread's and autograd's device thread's, so two workspaces.
 Fragmentation (reserved above allocated) is not held back here: the allocator simulation predicts it
 for each plan (simulation/allocator.py).
+
+NOTE [card memory]: a card's memory is what the driver reports (`torch.cuda.get_device_properties(d)
+.total_memory`, deviceQuery's "Total amount of global memory"), not its name's round number: the
+driver keeps some for itself (ECC, page tables). Two figures are known: the H100 80GB HBM3 lent to
+this project reported 85,017,493,504 B (79.18 GiB; bench/results/gpu_check.json, `total_bytes`), and an
+A100-SXM4-40GB's deviceQuery shows 42,298,834,944 B (39.39 GiB; published in
+github.com/bottlerocket-os/bottlerocket pull 3873). Those are 1.0 % and 1.5 % under the nominal
+80 and 40 GiB. For the cards with no figure we take the nominal memory less the larger of the two
+shares (`_REPORTED_SHARE`), an estimate that errs towards a smaller card; `make gpu-check` on the card
+reports its real figure.
 """
 
 from __future__ import annotations
@@ -116,18 +126,34 @@ def _cuda_card(spec: DeviceSpec, compute_capability_major: int) -> DeviceSpec:
     return replace(spec, context_bytes=CUDA_CONTEXT_BYTES, library_workspace_bytes=workspace_bytes)
 
 
+_REPORTED_SHARE = 42_298_834_944 / (40 * GIB)
+"""Of an A100 40GB's nominal memory, the share its driver reports (NOTE [card memory]): 0.985."""
+
+
+def _reported_memory_bytes(nominal_gib: int) -> int:
+    """A card's memory as its driver would report it, estimated from its nominal size (NOTE [card
+    memory]), rounded down to whole MiB."""
+    return int(nominal_gib * GIB * _REPORTED_SHARE) // 2**20 * 2**20
+
+
 _H100 = _cuda_card(DeviceSpec("h100", flops_per_s=989e12, memory_bytes_per_s=3.35e12, overhead_ms=0.005), 9)
 _A100 = _cuda_card(DeviceSpec("a100", flops_per_s=312e12, memory_bytes_per_s=2.0e12, overhead_ms=0.005), 8)
 
 DEVICES: dict[str, DeviceSpec] = {
     "h100": _H100,
-    "h100-80gb": replace(_H100, name="h100-80gb", memory_bytes=80 * GIB),
+    "h100-80gb": replace(_H100, name="h100-80gb", memory_bytes=85_017_493_504),
     "a100": _A100,
-    "a100-40gb": replace(_A100, name="a100-40gb", memory_bytes_per_s=1.555e12, memory_bytes=40 * GIB),
-    "a100-80gb": replace(_A100, name="a100-80gb", memory_bytes_per_s=2.039e12, memory_bytes=80 * GIB),
+    "a100-40gb": replace(_A100, name="a100-40gb", memory_bytes_per_s=1.555e12, memory_bytes=42_298_834_944),
+    "a100-80gb": replace(
+        _A100, name="a100-80gb", memory_bytes_per_s=2.039e12, memory_bytes=_reported_memory_bytes(80)
+    ),
     "l40s": _cuda_card(
         DeviceSpec(
-            "l40s", flops_per_s=362e12, memory_bytes_per_s=0.864e12, overhead_ms=0.005, memory_bytes=48 * GIB
+            "l40s",
+            flops_per_s=362e12,
+            memory_bytes_per_s=0.864e12,
+            overhead_ms=0.005,
+            memory_bytes=_reported_memory_bytes(48),
         ),
         8,
     ),
@@ -137,7 +163,7 @@ DEVICES: dict[str, DeviceSpec] = {
             flops_per_s=165e12,
             memory_bytes_per_s=1.008e12,
             overhead_ms=0.005,
-            memory_bytes=24 * GIB,
+            memory_bytes=_reported_memory_bytes(24),
         ),
         8,
     ),
@@ -150,8 +176,9 @@ DEVICES: dict[str, DeviceSpec] = {
         device_type="cpu",
     ),
 }
-"""Datasheet rates: bf16 dense tensor-core throughput with fp32 accumulation (the RTX 4090's is half its
-fp16-accumulate figure) and memory bandwidth (SXM parts for H100 and A100)."""
+"""Memory as the driver reports it (NOTE [card memory]) and datasheet rates: bf16 dense tensor-core
+throughput with fp32 accumulation (the RTX 4090's is half its fp16-accumulate figure) and memory
+bandwidth (SXM parts for H100 and A100)."""
 
 
 def device_spec(device: str | DeviceSpec) -> DeviceSpec:

@@ -355,26 +355,25 @@ def _bar_label(value: int | None, top: int) -> str:
 
 
 def capacity_figure(
-    points: Sequence[tuple[int, int | None, int | None]], *, dimension: str, top: int, title: str
+    points: Sequence[tuple[str, int | None, int | None]], *, dimension: str, top: int, title: str
 ) -> Figure:
-    """The largest size that fits against card memory, without and with checkpointing.
+    """The largest size that fits on each card, without and with checkpointing.
 
-    `points` are (card memory in bytes, largest size without, largest size with checkpointing), None
-    where not even the smallest size fits; a size equal to `top`, the largest searched, may be an
+    `points` are (the card's label, largest size without, largest size with checkpointing), None where
+    not even the smallest size fits; a size equal to `top`, the largest searched, may be an
     underestimate and is labelled ">=".
     """
     if not points:
-        raise ValueError("a capacity plot needs at least one (memory_bytes, without, with) point, got none")
+        raise ValueError("a capacity plot needs at least one (label, without, with) point, got none")
     figure = _new_figure(7.5, 4.6)
     axes = figure.subplots()
     positions = list(range(len(points)))
     width = 0.38
     series = (
-        ("without checkpointing", 1, "#d95f02", -width / 2),
-        ("with the planner's checkpointing", 2, "#1b9e77", width / 2),
+        ("without checkpointing", [without for _, without, _ in points], "#d95f02", -width / 2),
+        ("with the planner's checkpointing", [with_plan for _, _, with_plan in points], "#1b9e77", width / 2),
     )
-    for label, column, colour, offset in series:
-        values = [point[column] for point in points]
+    for label, values, colour, offset in series:
         heights = [value or 0 for value in values]
         bars = axes.bar([x + offset for x in positions], heights, width, color=colour, label=label, zorder=3)
         for bar, value in zip(bars, values, strict=True):
@@ -387,10 +386,10 @@ def capacity_figure(
                 xytext=(0, 2),
                 textcoords="offset points",
             )
-    axes.set_xticks(positions, [f"{memory / 2**30:g} GiB" for memory, _, _ in points])
+    axes.set_xticks(positions, [label for label, _, _ in points], fontsize=8)
     tallest = max([value or 0 for _, *values in points for value in values] + [1])
     axes.set_ylim(0, tallest * 1.18)
-    axes.set_xlabel("card memory (the whole training step's budget)")
+    axes.set_xlabel("card (the budget a training step may use on it)")
     axes.set_ylabel(f"largest {dimension} that fits (predicted)")
     axes.set_title(title, fontsize=11)
     axes.legend(fontsize=8, framealpha=0.9, loc="upper left")
@@ -399,7 +398,7 @@ def capacity_figure(
 
 
 def plot_capacity(
-    points: Sequence[tuple[int, int | None, int | None]],
+    points: Sequence[tuple[str, int | None, int | None]],
     path: str | Path,
     *,
     dimension: str,

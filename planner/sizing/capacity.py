@@ -44,11 +44,11 @@ from planner.sizing.search import (
     expected_graphs,
 )
 
-__all__ = ["CARD_MEMORIES_GIB", "Capacity", "capacity"]
+__all__ = ["PLOTTED_CARDS", "Capacity", "capacity"]
 
 DIMENSIONS = ("batch", "sequence")
-CARD_MEMORIES_GIB = (16, 24, 40, 48, 80)
-"""Card memories the capacity plot compares: the common sizes of training GPUs."""
+PLOTTED_CARDS = ("rtx4090", "a100-40gb", "l40s", "a100-80gb", "h100-80gb")
+"""The named cards the capacity plot compares, each at the budget `device=card` plans against."""
 
 SizeSpec = int | range | Sequence[int] | None
 """A searched dimension (a range or sorted sizes), a fixed one (an int), or absent (None)."""
@@ -130,12 +130,17 @@ class Capacity:
         )
 
     def plot(
-        self, path: str | Path, *, memories_gib: Sequence[float] = CARD_MEMORIES_GIB, title: str | None = None
+        self,
+        path: str | Path,
+        *,
+        cards: Sequence[str | DeviceSpec] = PLOTTED_CARDS,
+        title: str | None = None,
     ) -> Path:
-        """Save the largest size against card memory, with and without checkpointing (needs matplotlib)."""
+        """Save the largest size on each card, with and without checkpointing (needs matplotlib); a card
+        counts at its memory less what it holds back, as `device=card` plans (NOTE [held back])."""
         from planner.report.plots import plot_capacity
 
-        points = [(int(gib * 2**30), *self.largest_for(int(gib * 2**30))) for gib in memories_gib]
+        points = [_card_point(device_spec(card), self.largest_for) for card in cards]
         return plot_capacity(
             points, path, dimension=self.dimension, top=self.candidates[-1], title=title or self._title()
         )
@@ -247,6 +252,19 @@ def render_capacity(table: Capacity) -> str:
     if table.weighing is not None:
         lines += ["  " + line for line in render_weighing(table.weighing)]
     return "\n".join(lines)
+
+
+def _card_point(
+    spec: DeviceSpec, largest_for: Callable[[int], tuple[int | None, int | None]]
+) -> tuple[str, int | None, int | None]:
+    """A capacity plot's bar pair for one card: its label (name and budget) and the largest sizes."""
+    usable = spec.usable_memory_bytes
+    if usable is None:
+        raise ValueError(
+            f"card {spec.name!r} does not say how much memory it has; plot named cards with their memory "
+            f"({', '.join(PLOTTED_CARDS)}) or a DeviceSpec with memory_bytes"
+        )
+    return (f"{spec.name}\n{format_bytes(usable)}", *largest_for(usable))
 
 
 def _resolve_budget(

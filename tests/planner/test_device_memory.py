@@ -119,7 +119,7 @@ def test_a_budget_for_a_named_gpu_is_its_memory_less_what_it_holds_back() -> Non
     assert spec.held_back_bytes == 2**30 + 2 * 32 * 2**20  # the context allowance and two cuBLAS workspaces
     model, inputs = build_model("seed000_mlp")
     plan = planner.optimize(model, inputs, cost_model="analytic", device="h100-80gb")
-    assert plan.budget_bytes == spec.usable_memory_bytes == 80 * 2**30 - spec.held_back_bytes
+    assert plan.budget_bytes == spec.usable_memory_bytes == 85_017_493_504 - spec.held_back_bytes
     assert plan.card == "h100-80gb" and plan.held_back_bytes == spec.held_back_bytes
     assert plan.budget_kind is BudgetKind.ALLOCATED  # measured within 0.73 % on an H100; reserved is not yet
     assert "held back for the CUDA context and cuBLAS workspaces" in plan.summary()

@@ -137,13 +137,13 @@ def test_pareto_has_axes_frontier_baselines_budget_and_the_chosen_plan() -> None
 
 
 def test_capacity_figure_labels_every_bar_with_none_and_at_least() -> None:
-    gib = 2**30
-    points = [(16 * gib, None, 3), (24 * gib, 2, 9), (80 * gib, 12, 64)]
+    points = [("t4\n14.2 GiB", None, 3), ("rtx4090\n22.62 GiB", 2, 9), ("h100-80gb\n78.12 GiB", 12, 64)]
     figure = capacity_figure(points, dimension="batch", top=64, title="Largest batch")
     axes = figure.axes[0]
     labels = [text.get_text() for text in axes.texts]
     assert labels == ["none", "2", "12", "3", "9", "≥64"]
-    assert [tick.get_text() for tick in axes.get_xticklabels()] == ["16 GiB", "24 GiB", "80 GiB"]
+    ticks = [tick.get_text() for tick in axes.get_xticklabels()]
+    assert ticks == ["t4\n14.2 GiB", "rtx4090\n22.62 GiB", "h100-80gb\n78.12 GiB"]
     assert axes.get_ylabel() == "largest batch that fits (predicted)"
     with pytest.raises(ValueError, match="at least one"):
         capacity_figure([], dimension="batch", top=1, title="")

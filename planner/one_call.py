@@ -66,7 +66,8 @@ def optimize(
     (NOTE [FSDP2 per rank] in profiler/sharding.py). With `"fsdp"` (and measured costs) the plan is made
     by submodules, so that `plan.module` trains under FSDP2: `fully_shard` each block of `plan.module`,
     then `plan.module` (NOTE [FSDP2] in rewrite/emit.py), with the `reshard_after_forward` given here
-    (fully_shard's argument: False keeps each block's parameters from its forward to its backward). Raises `UnsupportedModel` for a model that `fully_shard` already wraps.
+    (fully_shard's argument: False keeps each block's parameters from its forward to its backward).
+    Raises `UnsupportedModel` for a model that `fully_shard` already wraps.
 
     Per-node times are measured on the model's device (`cost_model="measured"`) or priced by FLOPs
     and bytes on a named device (`cost_model="analytic", device="h100"`), which also plans a model

@@ -3,7 +3,7 @@
 Each of two ranks plans gpt_tiny for its half of the batch with `world_size=2` and the engine's
 `sharding` at a budget halfway between the lowest and the no-checkpointing peak, wraps `plan.module`
 in the engine (DDP; or FSDP2's `fully_shard` on each block and then the root, with and without
-`reshard_after_forward`), and
+`reshard_after_forward`), and (planner/testing/ranks.py, `planned_rank_step`)
 - runs one forward and backward: the loss must equal the single-process loss of its half and the
   gradients (averaged by the engine; FSDP2's gathered with `full_tensor()`) the single-process
   gradients of the mean of the halves' losses, dropout included (each rank seeds as the reference
@@ -18,90 +18,24 @@ in the engine (DDP; or FSDP2's `fully_shard` on each block and then the root, wi
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
-import planner
 from planner.profiler.measurement import default_loss
-from planner.testing.ranks import run_ranks
+from planner.testing.ranks import ENGINES, SEED, planned_rank_step, run_ranks
 from planner.zoo import build_model
 
 WORLD_SIZE = 2
 MODEL = "gpt_tiny"
-SEED = 1234
 TOLERANCE = 0.02
 GRADIENT_RTOL, GRADIENT_ATOL = 1e-4, 1e-5
 """float32 sums in another order: DDP's plan runs the captured graph, whose layer norms' weight
 gradients differ from eager's by up to 8e-5 relative (3.8e-6 on 0.048)."""
-ENGINES = {
-    "ddp": {"sharding": "ddp", "reshard_after_forward": True},
-    "fsdp": {"sharding": "fsdp", "reshard_after_forward": True},
-    "fsdp-no-reshard": {"sharding": "fsdp", "reshard_after_forward": False},
-}
 
 
 def _half(batch: torch.Tensor, rank: int) -> torch.Tensor:
     return batch.chunk(WORLD_SIZE)[rank]
-
-
-def _count_block_calls(blocks: torch.nn.Module) -> list[list[int]]:
-    """Calls of each block's first submodule (its replay calls it too; the block's own hooks it does not)."""
-    calls: list[list[int]] = [[] for _ in blocks]
-    for block, counter in zip(blocks, calls, strict=True):
-        block.attention_norm.register_forward_pre_hook(lambda _m, _a, counter=counter: counter.append(1))
-    return calls
-
-
-def _wrapped(module: torch.nn.Module, engine: str) -> torch.nn.Module:
-    if ENGINES[engine]["sharding"] == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(module)
-    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    reshard = bool(ENGINES[engine]["reshard_after_forward"])
-    for block in module.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
-    return module
-
-
-def _full_gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
-        for name, p in module.named_parameters()
-        if p.grad is not None
-    }
-
-
-def _rank_step(rank: int, engine: str) -> dict[str, Any]:
-    model, inputs = build_model(MODEL)
-    tokens = _half(inputs[0], rank)
-    profiled = planner.profile(model, (tokens,), world_size=WORLD_SIZE, **ENGINES[engine])  # type: ignore[arg-type]
-    reference = profiled.plan(budget_bytes=2**40)
-    budget_bytes = (reference.min_peak_bytes + reference.baseline_peak_bytes) // 2
-    plan = profiled.plan(budget_bytes=budget_bytes)
-    assert plan.module is not None and plan.regions, f"{engine}: the plan should checkpoint something"
-    checkpointed = {module for region in plan.regions for module in region.modules}
-    calls = _count_block_calls(plan.module.blocks) if ENGINES[engine]["sharding"] == "fsdp" else []
-    wrapped = _wrapped(plan.module, engine)
-    torch.manual_seed(SEED + rank)
-    loss = default_loss(wrapped(tokens))
-    loss.backward()
-    gradients = _full_gradients(plan.module)
-    call_counts = [len(counter) for counter in calls]
-    wrapped.zero_grad(set_to_none=True)
-    measured = planner.measure(wrapped, (tokens,))
-    return {
-        "loss": loss.detach(),
-        "gradients": gradients,
-        "calls": call_counts,
-        "expected_calls": [2 if f"blocks.{n}" in checkpointed else 1 for n in range(len(calls))],
-        "budget_bytes": budget_bytes,
-        "predicted_peak_bytes": plan.predicted_peak_bytes,
-        "measured_peak_bytes": measured.peak_in(plan.graph.memory_counting),
-    }
 
 
 def _single_process_reference() -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -120,7 +54,8 @@ def _single_process_reference() -> tuple[list[torch.Tensor], dict[str, torch.Ten
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_every_rank_measures_its_prediction_and_trains_as_one_process(engine: str) -> None:
     losses, expected = _single_process_reference()
-    for rank, result in enumerate(run_ranks(_rank_step, WORLD_SIZE, engine)):
+    for rank, result in enumerate(run_ranks(planned_rank_step, WORLD_SIZE, engine, WORLD_SIZE, MODEL)):
+        assert result["regions"] > 0, f"rank {rank}: the plan should checkpoint something"
         assert result["calls"] == result["expected_calls"], f"rank {rank}: block calls"
         torch.testing.assert_close(result["loss"], losses[rank], rtol=1e-6, atol=0.0)
         assert result["gradients"].keys() == expected.keys()

@@ -80,14 +80,14 @@ def run_ranks(function: Callable[..., Any], world_size: int, *args: Any) -> list
         return [torch.load(Path(out) / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
 
 
-def _blocks(module: torch.nn.Module) -> torch.nn.ModuleList:
+def _blocks(module: torch.nn.Module) -> torch.nn.Sequential | torch.nn.ModuleList:
     """The zoo model's block stack."""
     blocks = module.blocks
-    assert isinstance(blocks, torch.nn.ModuleList), f"{type(module).__name__}.blocks is no ModuleList"
+    assert isinstance(blocks, torch.nn.Sequential | torch.nn.ModuleList), f"{type(module).__name__}.blocks"
     return blocks
 
 
-def _count_block_calls(blocks: torch.nn.ModuleList) -> list[list[int]]:
+def _count_block_calls(blocks: torch.nn.Sequential | torch.nn.ModuleList) -> list[list[int]]:
     """Calls of each block's first child (a replay calls it again; the block's own hooks do not)."""
     calls: list[list[int]] = [[] for _ in blocks]
     for block, counter in zip(blocks, calls, strict=True):

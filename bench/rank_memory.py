@@ -3,12 +3,12 @@
 Why it exists: `optimize(..., world_size=N, sharding=...)` predicts one rank's memory by the rules of
 planner/profiler/sharding.py (NOTE [FSDP2 per rank]); this records, for each engine, what every rank
 of a real process group on this machine measures against it, for docs/memory.md. Each rank plans its
-share of the batch at a budget halfway between the lowest and the no-checkpointing peak, trains
+share of the batch at budgets between the lowest and the no-checkpointing peak (halfway by default), trains
 `plan.module` under the engine and measures two Adam steps with `planner.measure` (planner/testing/
 ranks.py, `planned_rank_step`; tests/planner/test_rank_memory.py asserts the same at 2 ranks). Run
 from the repository root (about 3 minutes for 2 ranks on 2 CPU cores):
 
-    .venv/bin/python -m bench.rank_memory [--world-size 2] [--model gpt_tiny]
+    .venv/bin/python -m bench.rank_memory [--world-size 2] [--model gpt_tiny] [--budget-fractions 0.5]
 
 Writes `bench/results/rank_memory_<model>_<world size>.json`: a row per engine and rank with the
 budget, the lowest and no-checkpointing peaks, the predicted and measured peaks (512-byte blocks) and
@@ -31,16 +31,20 @@ log = logging.getLogger("bench.rank_memory")
 RESULTS_DIRECTORY = Path(__file__).resolve().parent / "results"
 
 
-def engine_rows(engine: str, world_size: int, model_name: str) -> list[dict[str, Any]]:
+def engine_rows(
+    engine: str, world_size: int, model_name: str, budget_fraction: float
+) -> list[dict[str, Any]]:
     """One row per rank of `engine`, predicted against measured."""
     rows = []
-    for rank, result in enumerate(run_ranks(planned_rank_step, world_size, engine, world_size, model_name)):
+    results = run_ranks(planned_rank_step, world_size, engine, world_size, model_name, budget_fraction)
+    for rank, result in enumerate(results):
         predicted, measured = result["predicted_peak_bytes"], result["measured_peak_bytes"]
         rows.append(
             {
                 "engine": engine,
                 **ENGINES[engine],
                 "rank": rank,
+                "budget_fraction": budget_fraction,
                 "regions": result["regions"],
                 "budget_bytes": result["budget_bytes"],
                 "min_peak_bytes": result["min_peak_bytes"],
@@ -60,9 +64,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--model", default="gpt_tiny")
+    parser.add_argument(
+        "--budget-fractions", default="0.5", help="comma-separated; 0 is the lowest peak, 1 no checkpointing"
+    )
     arguments = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    rows = [row for engine in ENGINES for row in engine_rows(engine, arguments.world_size, arguments.model)]
+    rows = [
+        row
+        for fraction in (float(text) for text in arguments.budget_fractions.split(","))
+        for engine in ENGINES
+        for row in engine_rows(engine, arguments.world_size, arguments.model, fraction)
+    ]
     path = RESULTS_DIRECTORY / f"rank_memory_{arguments.model}_{arguments.world_size}.json"
     report = {
         "model": arguments.model,

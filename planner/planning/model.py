@@ -521,7 +521,10 @@ def fsdp_units(
         if (parameters := _new_parameters(block, seen))  # a block without parameters gathers nothing
     )
     root = _fsdp_unit("", _new_parameters(model, seen), world_size, counting)
-    return FsdpUnits(root=root, blocks=blocks, reshard_after_forward=reshard_after_forward)
+    unsharded_bytes = sum(unit.parameter_bytes for unit in (root, *blocks))
+    return FsdpUnits(
+        root=root, blocks=blocks, reshard_after_forward=reshard_after_forward, unsharded_bytes=unsharded_bytes
+    )
 
 
 def _new_parameters(module: torch.nn.Module, seen: set[int]) -> list[torch.nn.Parameter]:
@@ -534,15 +537,27 @@ def _new_parameters(module: torch.nn.Module, seen: set[int]) -> list[torch.nn.Pa
 def _fsdp_unit(
     module_path: str, parameters: list[torch.nn.Parameter], world_size: int, counting: MemoryCounting
 ) -> FsdpUnit:
-    """One unit: each parameter unsharded, and the flat buffer of its dim-0 shards padded to an even
-    split (`_chunk_with_empty` in torch/distributed/fsdp/_fully_shard/_fsdp_common.py)."""
-    padded_numel = 0
-    for parameter in parameters:
-        rows = parameter.shape[0] if parameter.dim() > 0 else 1
-        padded_numel += -(-rows // world_size) * (parameter.numel() // max(rows, 1)) * world_size
-    element_bytes = parameters[0].element_size() if parameters else 0
+    """One unit: each parameter unsharded, its dim-0 shards padded to an even split
+    (`_chunk_with_empty` in torch/distributed/fsdp/_fully_shard/_fsdp_common.py) and one flat buffer
+    of world_size of them."""
+    padded_shard_bytes = [_padded_shard_bytes(parameter, world_size) for parameter in parameters]
+    local_shard_bytes = [
+        min(padded, parameter.numel() * parameter.element_size())
+        for padded, parameter in zip(padded_shard_bytes, parameters, strict=True)
+    ]
+    gathered_bytes = world_size * sum(padded_shard_bytes)
     return FsdpUnit(
         module_path=module_path,
         parameter_bytes=sum(counting.of(p.numel() * p.element_size()) for p in parameters),
-        gathered_bytes=counting.of(padded_numel * element_bytes) if padded_numel else 0,
+        gathered_bytes=counting.of(gathered_bytes) if gathered_bytes else 0,
+        shard_bytes=sum(counting.of(size) for size in padded_shard_bytes if size),
+        reduced_bytes=counting.of(sum(padded_shard_bytes)) if padded_shard_bytes else 0,
+        local_shard_bytes=sum(counting.of(size) for size in local_shard_bytes if size),
     )
+
+
+def _padded_shard_bytes(parameter: torch.nn.Parameter, world_size: int) -> int:
+    """One rank's dim-0 shard of `parameter`, padded to ceil(rows / world_size) rows."""
+    rows = parameter.shape[0] if parameter.dim() > 0 else 1
+    row_bytes = parameter.numel() * parameter.element_size() // max(rows, 1)
+    return -(-rows // world_size) * row_bytes

@@ -24,7 +24,13 @@ measurement above. Per unit (a block, or the root's own parameters), in the coun
 `parameter_bytes` is its unsharded parameters (`FSDPParam.all_gather_outputs`, one storage per
 parameter, freed and re-allocated by `free_storage`/`alloc_storage` resizing it), `gathered_bytes` one
 flat buffer of world_size padded shards (the all-gather output of `foreach_all_gather`, and the same
-size again as the reduce-scatter input of `foreach_reduce`), `gradient_bytes` its full gradients.
+size again as the reduce-scatter input of `foreach_reduce`).
+- Between steps (`FsdpUnit.shard_bytes`, `reduced_bytes`, `local_shard_bytes`): each parameter's
+  padded shard in a storage of its own (`FSDPParam._sharded_param_data`); the sharded gradients of a
+  unit are views of one reduce-scatter output (`foreach_reduce`: `torch.as_strided(reduce_output,
+  ...)`); Adam's moments are `zeros_like` the sharded DTensor, a local shard each, while its `step`
+  scalars are whole on every rank. Counting each storage in 512-byte blocks, these differ from the
+  graph's bytes divided by world_size by a block per small parameter (gpt_tiny: 70 KB, 0.3 %).
 - Forward (`FSDPParamGroup.pre_forward` -> `unshard`, `wait_for_unshard`): the unit's parameters and
   its all-gather buffer, which `wait_for_unshard` keeps in `comm_ctx.all_gather_state` until the next
   unit's copy-out (to overlap the copy-out with the next all-gather). The root's parameters are
@@ -39,7 +45,8 @@ size again as the reduce-scatter input of `foreach_reduce`), `gradient_bytes` it
   (`reduce_scatter_max_input_buffers`, 1 by default), so the block before it in backward holds it too.
   The root's full gradients (embeddings, the head) exist from their node on until the root's
   post-backward at the end of the backward.
-The sharded gradients and states are the graph's own, divided by world_size.
+The gradients each node makes are the graph's own, divided by world_size, plus what is unsharded
+of them until the reduce-scatter, as above.
 """
 
 from __future__ import annotations
@@ -62,6 +69,14 @@ class FsdpUnit:
     """Its parameters, unsharded (one storage each)."""
     gathered_bytes: int
     """One flat buffer of world_size padded shards: the all-gather output, and the reduce-scatter input."""
+    shard_bytes: int = 0
+    """This rank's padded shards of its parameters (one storage each, `FSDPParam._sharded_param_data`)."""
+    reduced_bytes: int = 0
+    """This rank's padded shards in one storage: `foreach_reduce`'s reduce-scatter output, of which every
+    sharded gradient of the unit is a view (`torch.as_strided(reduce_output, ...)`)."""
+    local_shard_bytes: int = 0
+    """The first rank's shards without padding (one storage each): what a state made like a sharded
+    parameter holds (Adam's moments, `zeros_like` of the DTensor). The first rank's is the largest."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,12 @@ class FsdpUnits:
     root: FsdpUnit
     blocks: tuple[FsdpUnit, ...]
     reshard_after_forward: bool = True
+    unsharded_bytes: int = 0
+    """Every parameter unsharded, counted one storage each (the profiled graph's parameter bytes)."""
+
+    @property
+    def units(self) -> tuple[FsdpUnit, ...]:
+        return (self.root, *self.blocks)
 
     def block_index(self, node: Node) -> int | None:
         """Which block a node runs in (None for the root's own code)."""
@@ -103,12 +124,16 @@ def shard_graph(
         raise ValueError("sharding='fsdp' needs the model's FSDP units")
     sharded_static = dataclasses.replace(
         static,
-        parameter_bytes=_per_rank(static.parameter_bytes, world_size),
-        gradient_bytes=_per_rank(static.gradient_bytes, world_size),
-        accumulated_gradient_bytes=_per_rank(static.accumulated_gradient_bytes, world_size),
-        resident_gradient_bytes=_per_rank(static.resident_gradient_bytes, world_size),
-        forward_gradient_bytes=_per_rank(static.forward_gradient_bytes, world_size),
-        optimizer_state_bytes=_per_rank(static.optimizer_state_bytes, world_size),
+        parameter_bytes=static.parameter_bytes
+        - units.unsharded_bytes
+        + sum(u.shard_bytes for u in units.units),
+        gradient_bytes=_sharded_gradient_bytes(static.gradient_bytes, units, world_size),
+        accumulated_gradient_bytes=_sharded_gradient_bytes(
+            static.accumulated_gradient_bytes, units, world_size
+        ),
+        resident_gradient_bytes=_sharded_gradient_bytes(static.resident_gradient_bytes, units, world_size),
+        forward_gradient_bytes=_sharded_gradient_bytes(static.forward_gradient_bytes, units, world_size),
+        optimizer_state_bytes=_sharded_optimizer_state_bytes(static.optimizer_state_bytes, units, world_size),
         optimizer_step_workspace_bytes=_per_rank(static.optimizer_step_workspace_bytes, world_size),
     )
     forward = _forward_unit_bytes(graph, units)
@@ -126,6 +151,28 @@ def shard_graph(
         for index, node in enumerate(graph.nodes)
     )
     return dataclasses.replace(graph, nodes=nodes, static=sharded_static)
+
+
+def _sharded_gradient_bytes(gradient_bytes: int, units: FsdpUnits, world_size: int) -> int:
+    """A rank's sharded gradients: one reduce-scatter output per unit when every parameter has a
+    gradient; else (frozen parameters) an even split."""
+    if gradient_bytes != units.unsharded_bytes:
+        return _per_rank(gradient_bytes, world_size)
+    return sum(unit.reduced_bytes for unit in units.units)
+
+
+def _sharded_optimizer_state_bytes(state_bytes: int, units: FsdpUnits, world_size: int) -> int:
+    """A rank's optimizer state: torch.optim's states are made like their parameter (the sharded
+    DTensor: a local shard each) or are scalars (Adam's `step`, on every rank whole). The graph's state
+    is `copies` parameter-shaped copies of every parameter and what is left is scalars; a state of
+    another shape (Adafactor's factors) splits evenly instead."""
+    if units.unsharded_bytes <= 0:
+        return _per_rank(state_bytes, world_size)
+    copies = state_bytes // units.unsharded_bytes
+    scalar_bytes = state_bytes - copies * units.unsharded_bytes
+    if copies == 0 or scalar_bytes > units.unsharded_bytes // 2:
+        return _per_rank(state_bytes, world_size)
+    return copies * sum(unit.local_shard_bytes for unit in units.units) + scalar_bytes
 
 
 def _forward_unit_bytes(graph: ActivationGraph, units: FsdpUnits) -> list[int]:

@@ -47,11 +47,17 @@ def test_ddp_replicates_state_and_adds_its_gradient_buckets(plans: dict[str, pla
 def test_fsdp_splits_state_across_ranks_and_gathers_units(plans: dict[str, planner.Plan]) -> None:
     single, fsdp = plans["fsdp_one_rank"].graph, plans["fsdp"].graph
     assert plans["fsdp"].capture == "module (fsdp units)", "FSDP plans keep submodules as module calls"
-    assert fsdp.static.parameter_bytes == -(-single.static.parameter_bytes // WORLD_SIZE)
-    assert fsdp.static.gradient_bytes == -(-single.static.gradient_bytes // WORLD_SIZE)
-    assert fsdp.static.optimizer_state_bytes == -(-single.static.optimizer_state_bytes // WORLD_SIZE)
     model, _ = build_model("seed000_mlp")
     units = fsdp_units(model, world_size=WORLD_SIZE)
+    assert units.unsharded_bytes == single.static.parameter_bytes
+    assert fsdp.static.parameter_bytes == sum(unit.shard_bytes for unit in units.units)
+    assert fsdp.static.gradient_bytes == sum(unit.reduced_bytes for unit in units.units), "one per unit"
+    adam_step_bytes = single.static.optimizer_state_bytes - 2 * single.static.parameter_bytes
+    assert adam_step_bytes == 512 * len(list(model.parameters())), "a scalar step per parameter"
+    assert fsdp.static.optimizer_state_bytes == (
+        2 * sum(unit.local_shard_bytes for unit in units.units) + adam_step_bytes
+    ), "Adam's moments are sharded, its steps are not"
+    assert fsdp.static.parameter_bytes < single.static.parameter_bytes // 2
     for sharded, whole in zip(fsdp.nodes, single.nodes, strict=True):
         index = units.block_index(whole)
         if index is not None:  # NOTE [FSDP2 per rank]: its parameters and its all-gather buffer
@@ -96,6 +102,7 @@ def test_an_uneven_split_pads_every_shard() -> None:
     assert [block.gathered_bytes for block in units.blocks] == [8 * 8 * 4, 8 * 5 * 4], (
         "5 rows -> 4 shards of 2"
     )
+    assert [block.shard_bytes for block in units.blocks] == [2 * 8 * 4, 2 * 5 * 4]
 
 
 @pytest.mark.parametrize(

@@ -13,16 +13,22 @@ in the engine (DDP; or FSDP2's `fully_shard` on each block and then the root, wi
   engine holds besides the step's tensors (FSDP2's resized parameter storages, DDP's buckets;
   profiler/rank_memory.py): every rank's peak, in 512-byte blocks, must be within the budget and
   within 2 % of its plan's prediction (NOTE [FSDP2 per rank] in profiler/sharding.py).
+
+The last tests check, in one process, the two things the tracker counts for them that no operator
+allocates: a storage resized in place, and a stand-in for a storage made in C++.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
 
+from planner.ir import MemoryCounting
 from planner.profiler.measurement import default_loss
+from planner.profiler.rank_memory import ResizingStorageTracker
 from planner.testing.ranks import ENGINES, SEED, planned_rank_step, run_ranks
 from planner.zoo import build_model
 
@@ -72,3 +78,33 @@ def test_every_rank_measures_its_prediction_and_trains_as_one_process(engine: st
         assert abs(measured - predicted) <= TOLERANCE * predicted, (
             f"rank {rank} ({engine}): measured {measured:,} B, predicted {predicted:,} B"
         )
+
+
+def test_a_storage_resized_outside_operators_counts_from_the_next_operator() -> None:
+    """FSDP2 frees and gathers unsharded parameters by resizing their storages, which no operator does."""
+    tracker = ResizingStorageTracker(MemoryCounting.BLOCKS)
+    with tracker:
+        parameter = torch.empty(1000)  # 4,000 B: 4,096 in blocks
+        parameter.untyped_storage().resize_(0)
+        marker = torch.zeros(1)
+        assert tracker.live_bytes == 512
+        parameter.untyped_storage().resize_(4000)
+        second_marker = torch.zeros(1)
+        assert tracker.live_bytes == 4096 + 2 * 512
+    assert tracker.peak_bytes == 4096 + 2 * 512
+    del parameter, marker, second_marker
+
+
+def test_a_stand_in_is_replaced_by_the_storage_an_operator_writes_into() -> None:
+    """DDP's buckets exist before the step and no Python call hands them out: a stand-in counts each
+    until the first operator writes into it, and then the bucket itself counts, once."""
+    bucket = torch.zeros(1000)
+    tracker = ResizingStorageTracker(MemoryCounting.BLOCKS)
+    tracker.hold(bucket.untyped_storage().nbytes())
+    with tracker:
+        assert tracker.live_bytes == 4096
+        bucket.add_(1.0)
+        assert tracker.live_bytes == 4096
+        del bucket
+        gc.collect()
+        assert tracker.live_bytes == 0

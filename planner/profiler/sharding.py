@@ -7,8 +7,9 @@ process on the per-rank batch; `shard_graph` turns its accounting into one rank'
 
 - `"ddp"` (`DistributedDataParallel`): every rank holds full parameters, gradients and optimizer
   state, and DDP adds its gradient buckets: one flat copy of every gradient, allocated when the model
-  is wrapped and kept for the whole run (also with `gradient_as_bucket_view=True`, where the gradients
-  live in the buckets). Counted with the resident buffers.
+  is wrapped and kept for the whole run. Counted with the resident buffers, and measured with DDP's
+  defaults; with `gradient_as_bucket_view=True` the gradients are views of the buckets, so this counts
+  them twice (an overestimate by the gradients, not measured).
 - `"fsdp"` (FSDP2 `fully_shard` on each block and then the root): parameters, gradients and optimizer
   state are split evenly, so each rank holds 1/world_size of them, and around each unit's forward and
   backward the rank holds what NOTE [FSDP2 per rank] lists, from the unit sizes `FsdpUnits` gives.
@@ -91,6 +92,7 @@ class FsdpUnits:
 
     @property
     def units(self) -> tuple[FsdpUnit, ...]:
+        """The root and every block."""
         return (self.root, *self.blocks)
 
     def block_index(self, node: Node) -> int | None:
@@ -126,7 +128,7 @@ def shard_graph(
         static,
         parameter_bytes=static.parameter_bytes
         - units.unsharded_bytes
-        + sum(u.shard_bytes for u in units.units),
+        + sum(unit.shard_bytes for unit in units.units),
         gradient_bytes=_sharded_gradient_bytes(static.gradient_bytes, units, world_size),
         accumulated_gradient_bytes=_sharded_gradient_bytes(
             static.accumulated_gradient_bytes, units, world_size

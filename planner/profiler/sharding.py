@@ -46,6 +46,9 @@ size again as the reduce-scatter input of `foreach_reduce`).
   (`reduce_scatter_max_input_buffers`, 1 by default), so the block before it in backward holds it too.
   The root's full gradients (embeddings, the head) exist from their node on until the root's
   post-backward at the end of the backward.
+- The loss, outside the model, runs after the root's post-forward, which reshards the root (with
+  `reshard_after_forward=True`) and frees the last all-gather buffer (`FSDPState._post_forward`), and
+  its backward before the root's pre-backward: with resharding nothing is gathered then.
 The gradients each node makes are the graph's own, divided by world_size, plus what is unsharded
 of them until the reduce-scatter, as above.
 """
@@ -58,6 +61,9 @@ from dataclasses import dataclass
 from planner.ir import ActivationGraph, Node, Sharding
 
 __all__ = ["FsdpUnit", "FsdpUnits", "shard_graph"]
+
+LOSS_OP = "loss_fn"
+"""`Node.op` of the loss (profiler/interpreter.py), which runs outside the model and its units' hooks."""
 
 
 @dataclass(frozen=True)
@@ -138,8 +144,12 @@ def shard_graph(
         optimizer_state_bytes=_sharded_optimizer_state_bytes(static.optimizer_state_bytes, units, world_size),
         optimizer_step_workspace_bytes=_per_rank(static.optimizer_step_workspace_bytes, world_size),
     )
-    forward = _forward_unit_bytes(graph, units)
-    backward = _backward_unit_bytes(graph, units, world_size)
+    blocks_order = _node_blocks(graph, units)
+    forward = _forward_unit_bytes(graph, units, blocks_order)
+    backward = _backward_unit_bytes(graph, units, blocks_order, world_size)
+    for index, node in enumerate(graph.nodes):
+        if node.op == LOSS_OP:
+            forward[index] = backward[index] = _after_the_model_bytes(units)
     nodes = tuple(
         dataclasses.replace(
             node,
@@ -153,6 +163,15 @@ def shard_graph(
         for index, node in enumerate(graph.nodes)
     )
     return dataclasses.replace(graph, nodes=nodes, static=sharded_static)
+
+
+def _after_the_model_bytes(units: FsdpUnits) -> int:
+    """What FSDP2 holds unsharded while the loss runs, after the root's post-forward and before its
+    pre-backward: with resharding nothing (the root's post-forward reshards its parameters and frees
+    the last all-gather buffer, `FSDPState._post_forward`), without it every unit's parameters."""
+    if units.reshard_after_forward:
+        return 0
+    return sum(unit.parameter_bytes for unit in units.units)
 
 
 def _sharded_gradient_bytes(gradient_bytes: int, units: FsdpUnits, world_size: int) -> int:
@@ -177,30 +196,40 @@ def _sharded_optimizer_state_bytes(state_bytes: int, units: FsdpUnits, world_siz
     return copies * sum(unit.local_shard_bytes for unit in units.units) + scalar_bytes
 
 
-def _forward_unit_bytes(graph: ActivationGraph, units: FsdpUnits) -> list[int]:
+def _node_blocks(graph: ActivationGraph, units: FsdpUnits) -> list[int | None]:
+    """The block each node runs in, None for the root's own code. A node between two nodes of one
+    block runs in it too: the block's own code between its children's calls, which a capture by
+    submodules records as glue of the model's call (a block that is a Sequential)."""
+    blocks_order = [units.block_index(node) for node in graph.nodes]
+    positions = [position for position, index in enumerate(blocks_order) if index is not None]
+    for before, after in zip(positions, positions[1:], strict=False):
+        if blocks_order[before] == blocks_order[after]:
+            blocks_order[before + 1 : after] = [blocks_order[before]] * (after - before - 1)
+    return blocks_order
+
+
+def _forward_unit_bytes(
+    graph: ActivationGraph, units: FsdpUnits, blocks_order: list[int | None]
+) -> list[int]:
     """Per node, what FSDP2 holds unsharded while its forward runs (NOTE [FSDP2 per rank])."""
     held = []
     kept_bytes = 0  # blocks' parameters left unsharded after their forward (reshard_after_forward=False)
     last_gathered = units.root.gathered_bytes  # the all-gather buffer kept until the next copy-out
-    for node in graph.nodes:
-        index = units.block_index(node)
+    for position, index in enumerate(blocks_order):
         if index is None:
             held.append(units.root.parameter_bytes + kept_bytes + last_gathered)
             continue
         block = units.blocks[index]
         last_gathered = block.gathered_bytes
         held.append(units.root.parameter_bytes + kept_bytes + block.parameter_bytes + block.gathered_bytes)
-        if not units.reshard_after_forward and _last_node_of(graph, node, units, index):
+        if not units.reshard_after_forward and index not in blocks_order[position + 1 :]:
             kept_bytes += block.parameter_bytes
     return held
 
 
-def _last_node_of(graph: ActivationGraph, node: Node, units: FsdpUnits, index: int) -> bool:
-    later = graph.nodes[graph.nodes.index(node) + 1 :]
-    return all(units.block_index(other) != index for other in later)
-
-
-def _backward_unit_bytes(graph: ActivationGraph, units: FsdpUnits, world_size: int) -> list[int]:
+def _backward_unit_bytes(
+    graph: ActivationGraph, units: FsdpUnits, blocks_order: list[int | None], world_size: int
+) -> list[int]:
     """Per node, what FSDP2 holds beyond the sharded state while its backward runs, walking the
     backward from the last node (NOTE [FSDP2 per rank])."""
     held = [0] * len(graph.nodes)
@@ -208,7 +237,6 @@ def _backward_unit_bytes(graph: ActivationGraph, units: FsdpUnits, world_size: i
     reduce_scatter_bytes = 0  # the input buffer of the last block reduced, kept until the next one's
     block_gradient_bytes = 0  # the full gradients of the block running, made so far, less its shard
     done: set[int] = set()  # blocks whose backward has run (resharded)
-    blocks_order = [units.block_index(node) for node in graph.nodes]
     previous: int | None = None
     for position in reversed(range(len(graph.nodes))):
         node, index = graph.nodes[position], blocks_order[position]

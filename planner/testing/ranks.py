@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 import planner
 from planner.profiler.measurement import default_loss
+from planner.testing.zoo_real import REAL_ZOO, build_call
 from planner.zoo import build_model
 
 __all__ = ["ENGINES", "SEED", "free_port", "planned_rank_step", "run_ranks"]
@@ -120,13 +121,22 @@ def _full_gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def _zoo_model(name: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+    """A model of planner.zoo or of the real-model zoo (zoo_real), with its example call's arguments."""
+    if name in REAL_ZOO:
+        call = build_call(name)
+        return call.model, call.args
+    return build_model(name)
+
+
 def planned_rank_step(
     rank: int, engine: str, world_size: int, model_name: str = "gpt_tiny", budget_fraction: float = 0.5
 ) -> dict[str, Any]:
-    """Plan rank `rank`'s share of `model_name`'s example batch (a zoo model with `.blocks`) at the
+    """Plan rank `rank`'s share of `model_name`'s example batch (a model of either zoo with `.blocks`,
+    its first argument split across ranks) at the
     budget `budget_fraction` of the way from the lowest to the no-checkpointing peak, train
     `plan.module` under `engine`, and report what it measured against what was predicted."""
-    model, inputs = build_model(model_name)
+    model, inputs = _zoo_model(model_name)
     batch = inputs[0].chunk(world_size)[rank]
     profiled = planner.profile(model, (batch,), world_size=world_size, **ENGINES[engine])
     reference = profiled.plan(budget_bytes=2**40)

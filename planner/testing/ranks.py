@@ -1,17 +1,18 @@
 """Run a function on every rank of a real gloo process group on this machine, and collect its results.
 
 Why it exists: the per-rank predictions of `optimize(..., world_size=N, sharding=...)` are checked
-against what each rank of a real DDP or FSDP2 step measures (tests/planner/test_rank_memory.py), and
-the gradient checks of tests/planner/test_distributed.py and test_fsdp.py spawn the same ranks; one
-harness spawns them all. `run_ranks(function, world_size, *args)` starts `world_size` processes (spawn,
-so nothing of the parent's torch state is inherited), each with one intra-op thread (the tests share a
-few cores), joins a gloo group on 127.0.0.1 at a free port, calls `function(rank, *args)` and saves
-what it returns with `torch.save`; the parent loads each rank's result, in rank order. Results must
+against what each rank of a real DDP or FSDP2 step measures (tests/planner/test_rank_memory.py,
+bench/rank_memory.py), and the gradient check of tests/planner/test_distributed.py spawns the same
+ranks; one harness spawns them all. `run_ranks(function, world_size, *args)` starts `world_size`
+processes (spawn, so nothing of the parent's torch state is inherited), each with one intra-op thread
+(the tests share a few cores), joins a gloo group on 127.0.0.1 at a free port, calls
+`function(rank, *args)` and saves what it returns with `torch.save`; the parent loads each rank's
+result, in rank order. Results must
 be what `torch.load(weights_only=True)` reads back: tensors, numbers, strings, and lists and dicts of
 them. An exception in a rank fails the call with that rank's traceback.
 
 `planned_rank_step` is the rank function of the per-rank memory check (the test and
-bench/rank_memory.py): plan the rank's half of a zoo model under an engine (`ENGINES`), wrap
+bench/rank_memory.py): plan the rank's share of a zoo model under an engine (`ENGINES`), wrap
 `plan.module` in that engine, run one forward and backward (loss, gathered gradients, block calls),
 then measure two Adam steps with `planner.measure`.
 """

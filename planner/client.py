@@ -170,6 +170,7 @@ class PlannerClient:
         device: str | DeviceSpec | None = None,
         world_size: int = 1,
         sharding: Sharding | str = Sharding.DDP,
+        reshard_after_forward: bool = True,
         compile: bool = False,
         memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
         budget_kind: BudgetKind | str | None = None,
@@ -206,6 +207,7 @@ class PlannerClient:
             world_size=world_size,
             sharding=sharding,
             memory_counting=memory_counting,
+            reshard_after_forward=reshard_after_forward,
         )
         kind = profiled.default_budget_kind if budget_kind is None else budget_kind
         planned = self.plan_graph(

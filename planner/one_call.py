@@ -46,6 +46,7 @@ def optimize(
     device: str | DeviceSpec | None = None,
     world_size: int = 1,
     sharding: Sharding | str = Sharding.DDP,
+    reshard_after_forward: bool = True,
     compile: bool = False,
     memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
     budget_kind: BudgetKind | str | None = None,
@@ -61,10 +62,12 @@ def optimize(
 
     For data-parallel training over `world_size` ranks, pass the per-rank example batch and
     `sharding="ddp"` (replicated state plus DDP's gradient buckets) or `"fsdp"` (state split across
-    ranks, one block gathered at a time); the budget is then one rank's memory (see profiler/sharding.py).
-    With `"fsdp"` (and measured costs) the plan is made by submodules, so that `plan.module` trains
-    under FSDP2: `fully_shard` each block of `plan.module`, then `plan.module` (NOTE [FSDP2] in
-    rewrite/emit.py). Raises `UnsupportedModel` for a model that `fully_shard` already wraps.
+    ranks, units gathered around their forward and backward); the budget is then one rank's memory
+    (NOTE [FSDP2 per rank] in profiler/sharding.py). With `"fsdp"` (and measured costs) the plan is made
+    by submodules, so that `plan.module` trains under FSDP2: `fully_shard` each block of `plan.module`,
+    then `plan.module` (NOTE [FSDP2] in rewrite/emit.py), with the `reshard_after_forward` given here
+    (fully_shard's argument: False keeps each block's parameters from its forward to its backward).
+    Raises `UnsupportedModel` for a model that `fully_shard` already wraps.
 
     Per-node times are measured on the model's device (`cost_model="measured"`) or priced by FLOPs
     and bytes on a named device (`cost_model="analytic", device="h100"`), which also plans a model
@@ -122,6 +125,7 @@ def optimize(
         device=device,
         world_size=world_size,
         sharding=sharding,
+        reshard_after_forward=reshard_after_forward,
         memory_counting=counting,
     )
     plan = profiled.plan(budget_bytes=budget, solver=solver, budget_kind=budget_kind, allocator=allocator)
@@ -185,6 +189,7 @@ def pareto(
     device: str | DeviceSpec | None = None,
     world_size: int = 1,
     sharding: Sharding | str = Sharding.DDP,
+    reshard_after_forward: bool = True,
     memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
 ) -> Frontier:
     """Predicted (peak, recompute) frontier over budgets, from one captured and profiled graph.
@@ -205,6 +210,7 @@ def pareto(
         device=device,
         world_size=world_size,
         sharding=sharding,
+        reshard_after_forward=reshard_after_forward,
         memory_counting=memory_counting,
     )
     return profiled.pareto(points=points, budgets_bytes=budgets_bytes, solver=solver)

@@ -31,6 +31,7 @@ __all__ = [
     "example_call",
     "memory_counting_of",
     "refuse_sharded_model",
+    "reshard_after_forward_of",
     "sharding_of",
     "training_step_of",
 ]
@@ -122,6 +123,21 @@ def sharding_of(world_size: int, sharding: Sharding | str) -> Sharding:
     except ValueError as error:
         choices = [member.value for member in Sharding]
         raise ValueError(f"sharding={sharding!r} is not known; use one of {choices}") from error
+
+
+def reshard_after_forward_of(sharding: Sharding, reshard_after_forward: bool) -> bool:
+    """The checked `reshard_after_forward` argument: fully_shard's own, so only with sharding='fsdp'."""
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"reshard_after_forward must be True or False (fully_shard's argument of that name), got "
+            f"{type(reshard_after_forward).__name__} {reshard_after_forward!r}"
+        )
+    if not reshard_after_forward and sharding is not Sharding.FSDP:
+        raise ValueError(
+            f"reshard_after_forward=False describes fully_shard (FSDP2), but sharding={sharding.value!r}: "
+            "use sharding='fsdp', or leave reshard_after_forward at True"
+        )
+    return reshard_after_forward
 
 
 def memory_counting_of(memory_counting: MemoryCounting | str) -> MemoryCounting:

@@ -62,6 +62,7 @@ from planner.planning.arguments import (
     example_call,
     memory_counting_of,
     refuse_sharded_model,
+    reshard_after_forward_of,
     sharding_of,
     training_step_of,
 )
@@ -70,7 +71,7 @@ from planner.planning.plan import Plan
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.interpreter import LOSS_NODE, build_activation_graph
 from planner.profiler.measurement import OptimizerSpec, default_loss
-from planner.profiler.sharding import shard_graph
+from planner.profiler.sharding import FsdpUnit, FsdpUnits, shard_graph
 from planner.report.blocks import longest_block_stack
 from planner.rewrite.emit import (
     AUTOCAST_DEVICES,
@@ -96,7 +97,7 @@ __all__ = [
     "FSDP_UNITS_REASON",
     "Profile",
     "ProfileSettings",
-    "fsdp_unit_bytes",
+    "fsdp_units",
     "profile",
 ]
 
@@ -123,6 +124,8 @@ class ProfileSettings:
     """The autocast blocks (device type, dtype) the profile was made in: its graph's precision."""
     memory_counting: MemoryCounting = MemoryCounting.BLOCKS
     """How the graph counts each storage's bytes (NOTE [counted bytes] in ir.py)."""
+    reshard_after_forward: bool = True
+    """Under sharding='fsdp': whether `fully_shard` frees a block's parameters after its forward."""
 
 
 def _autocast_now() -> tuple[tuple[str, torch.dtype], ...]:
@@ -365,6 +368,7 @@ def profile(
     world_size: int = 1,
     sharding: Sharding | str = Sharding.DDP,
     memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
+    reshard_after_forward: bool = True,
 ) -> Profile:
     """Capture `model` and profile one training step of it; plan with `.plan(budget_gb=...)`.
 
@@ -382,6 +386,9 @@ def profile(
         sharding=sharding_of(world_size, sharding),
         autocast=_autocast_now(),
         memory_counting=memory_counting_of(memory_counting),
+        reshard_after_forward=reshard_after_forward_of(
+            sharding_of(world_size, sharding), reshard_after_forward
+        ),
     )
     refuse_sharded_model(model)
     args = example_call(example_inputs, example_kwargs)
@@ -440,7 +447,14 @@ def _for_settings(
         profiled,
         world_size=settings.world_size,
         sharding=settings.sharding,
-        unit_parameter_bytes=fsdp_unit_bytes(model, profiled.memory_counting),
+        units=fsdp_units(
+            model,
+            world_size=settings.world_size,
+            counting=profiled.memory_counting,
+            reshard_after_forward=settings.reshard_after_forward,
+        )
+        if settings.sharding is Sharding.FSDP
+        else None,
     )
     return for_training_step(sharded, settings.step)
 
@@ -487,24 +501,63 @@ def _check_units(model: torch.nn.Module, graph: ActivationGraph, reason: str) ->
         )
 
 
-def fsdp_unit_bytes(model: torch.nn.Module, counting: MemoryCounting = MemoryCounting.BLOCKS) -> int:
-    """Parameter bytes of the largest unit FSDP gathers at once: a block of the model's longest
-    ModuleList/Sequential (where one calls `fully_shard` per block), or the parameters outside the
-    blocks, which the root unit holds (the whole model when it has no block stack); each parameter
-    counted as `counting` says."""
+def fsdp_units(
+    model: torch.nn.Module,
+    *,
+    world_size: int,
+    counting: MemoryCounting = MemoryCounting.BLOCKS,
+    reshard_after_forward: bool = True,
+) -> FsdpUnits:
+    """The units `fully_shard` makes of `model` when applied to each block of its longest
+    ModuleList/Sequential and then to the model (the root: the parameters outside the blocks, or the
+    whole model when it has no block stack), with what each holds unsharded on one of `world_size`
+    ranks (NOTE [FSDP2 per rank] in profiler/sharding.py)."""
     stack = longest_block_stack(model)
-    blocks = list(stack[1]) if stack is not None else []
+    prefix = f"{stack[0]}." if stack is not None and stack[0] else ""
     seen: set[int] = set()
-    block_bytes = [_parameter_bytes(block, seen, counting) for block in blocks]
-    rest_bytes = _parameter_bytes(model, seen, counting)
-    return max([*block_bytes, rest_bytes])
+    blocks = tuple(
+        _fsdp_unit(f"{prefix}{number}", parameters, world_size, counting)
+        for number, block in enumerate(list(stack[1]) if stack is not None else [])
+        if (parameters := _new_parameters(block, seen))  # a block without parameters gathers nothing
+    )
+    root = _fsdp_unit("", _new_parameters(model, seen), world_size, counting)
+    unsharded_bytes = sum(unit.parameter_bytes for unit in (root, *blocks))
+    return FsdpUnits(
+        root=root, blocks=blocks, reshard_after_forward=reshard_after_forward, unsharded_bytes=unsharded_bytes
+    )
 
 
-def _parameter_bytes(module: torch.nn.Module, seen: set[int], counting: MemoryCounting) -> int:
-    """Bytes of `module`'s parameters not already in `seen` (tied weights count once)."""
-    total = 0
-    for parameter in module.parameters():
-        if id(parameter) not in seen:
-            seen.add(id(parameter))
-            total += counting.of(parameter.numel() * parameter.element_size())
-    return total
+def _new_parameters(module: torch.nn.Module, seen: set[int]) -> list[torch.nn.Parameter]:
+    """`module`'s parameters not already in `seen` (tied weights belong to the first unit)."""
+    found = [parameter for parameter in module.parameters() if id(parameter) not in seen]
+    seen.update(id(parameter) for parameter in found)
+    return found
+
+
+def _fsdp_unit(
+    module_path: str, parameters: list[torch.nn.Parameter], world_size: int, counting: MemoryCounting
+) -> FsdpUnit:
+    """One unit: each parameter unsharded, its dim-0 shards padded to an even split
+    (`_chunk_with_empty` in torch/distributed/fsdp/_fully_shard/_fsdp_common.py) and one flat buffer
+    of world_size of them."""
+    padded_shard_bytes = [_padded_shard_bytes(parameter, world_size) for parameter in parameters]
+    local_shard_bytes = [
+        min(padded, parameter.numel() * parameter.element_size())
+        for padded, parameter in zip(padded_shard_bytes, parameters, strict=True)
+    ]
+    gathered_bytes = world_size * sum(padded_shard_bytes)
+    return FsdpUnit(
+        module_path=module_path,
+        parameter_bytes=sum(counting.of(p.numel() * p.element_size()) for p in parameters),
+        gathered_bytes=counting.of(gathered_bytes) if gathered_bytes else 0,
+        shard_bytes=sum(counting.of(size) for size in padded_shard_bytes if size),
+        reduced_bytes=counting.of(sum(padded_shard_bytes)) if padded_shard_bytes else 0,
+        local_shard_bytes=sum(counting.of(size) for size in local_shard_bytes if size),
+    )
+
+
+def _padded_shard_bytes(parameter: torch.nn.Parameter, world_size: int) -> int:
+    """One rank's dim-0 shard of `parameter`, padded to ceil(rows / world_size) rows."""
+    rows = parameter.shape[0] if parameter.dim() > 0 else 1
+    row_bytes = parameter.numel() * parameter.element_size() // max(rows, 1)
+    return -(-rows // world_size) * row_bytes

@@ -7,8 +7,8 @@ the calls it splits at their submodules (`split_calls`), counting bytes as the d
 counting per graph (`counting`), measuring a real training step (`measurement`), the parameters,
 gradients and optimizer state around the activations (`static_memory`), the analytic cost model and named
 cards (`cost_model`), attention as a GPU's fused kernels run it on the meta device (`attention`), the
-price of selective keeps (`selective_cost`), a graph sharded per rank (`sharding`) and a measured memory
-snapshot (`snapshots`).
+price of selective keeps (`selective_cost`), a graph sharded per rank (`sharding`), what a rank under DDP
+or FSDP2 holds as the measurement counts it (`rank_memory`) and a measured memory snapshot (`snapshots`).
 
 It may import the contract (planner.ir, planner.errors), planner.simulation (calibration turns measured
 peaks into workspaces against the simulator) and planner.capture, and torch; the solvers never import it,

@@ -43,6 +43,7 @@ from planner.profiler.counting import (
     storage_bytes,
     tensors_in,
 )
+from planner.profiler.rank_memory import ResizingStorageTracker, ddp_bucket_sizes, is_data_parallel
 from planner.simulation.allocator import AllocatorEvent
 
 __all__ = [
@@ -267,13 +268,24 @@ def _allocator_peaks(run: Callable[[Callable[[str], None]], None], resident: lis
     return _Peaks(phase_bytes=dict(allocator.peaks), exact_bytes=max(allocator.exact_peaks.values()))
 
 
-def _tracked_peaks(run: Callable[[Callable[[str], None]], None], resident: list[torch.Tensor]) -> _Peaks:
-    """Two steps on the CPU (or any device), counted by the live-storage tracker."""
+def _tracked_peaks(
+    run: Callable[[Callable[[str], None]], None], resident: list[torch.Tensor], model: torch.nn.Module
+) -> _Peaks:
+    """Two steps on the CPU (or any device), counted by the live-storage tracker; for a model under
+    DDP or FSDP2, by the tracker that also sees what they allocate outside operators (rank_memory.py)."""
     peaks = _Peaks()
-    tracker = LiveStorageTracker(MemoryCounting.BLOCKS)
+    tracker: LiveStorageTracker
+    if is_data_parallel(model):
+        tracker = ResizingStorageTracker(MemoryCounting.BLOCKS)
+        for bucket_bytes in ddp_bucket_sizes(model):
+            tracker.hold(bucket_bytes)
+    else:
+        tracker = LiveStorageTracker(MemoryCounting.BLOCKS)
     tracker.track(resident)
 
     def on_phase(phase: str) -> None:
+        if isinstance(tracker, ResizingStorageTracker):
+            tracker.refresh()
         peaks.phase_bytes[phase] = max(peaks.phase_bytes.get(phase, 0), tracker.peak_bytes)
         peaks.exact_bytes = max(peaks.exact_bytes, tracker.exact_peak_bytes)
         tracker.reset_peak()
@@ -318,7 +330,7 @@ def measure_step(
         model.zero_grad(set_to_none=True)  # a gradient freed inside the window would not be seen freed
         peaks = _allocator_peaks(run, resident)
     else:
-        peaks = _tracked_peaks(run, resident)
+        peaks = _tracked_peaks(run, resident, model)
     peaks.phase_bytes.pop("start", None)
     step_ms = _median_step_ms(run, timed_steps) if timed_steps > 0 else None
     return MeasuredStep(

@@ -470,6 +470,7 @@ def test_random_sequences_keep_the_invariants(settings: AllocatorSettings, seed:
 
 def test_snapshot_is_read_by_torch_memory_viz() -> None:
     from torch.cuda import _memory_viz as memory_viz
+
     models = []
     for settings in (AllocatorSettings(), EXPANDABLE):
         model = CachingAllocatorModel(settings, capacity_bytes=64 * MIB, record_trace=True)

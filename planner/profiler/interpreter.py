@@ -37,6 +37,7 @@ from planner.profiler.counting import (
     counted_bytes,
     counting_scope,
     current_counting,
+    storage_of,
     tensors_in,
 )
 from planner.profiler.measurement import OptimizerSpec, end_autocast_forward, start_autocast_forward
@@ -133,9 +134,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             record.keep_cache_bytes = tracker.keep_cache_since_mark_bytes
             fresh = {id(storage): storage for storage in tracker.fresh_storages()}
             made = (
-                list(fresh.values())
-                if every_new
-                else [tensor.untyped_storage() for tensor in tensors_in(output)]
+                list(fresh.values()) if every_new else [storage_of(tensor) for tensor in tensors_in(output)]
             )
             for storage in made:
                 if id(storage) in fresh:
@@ -332,7 +331,7 @@ def _profile_step(
         def hook(gradient: torch.Tensor) -> None:
             if clock.current is not None:
                 interpreter.records[clock.current].parameter_gradient_bytes += counted_bytes(
-                    gradient.untyped_storage().nbytes()
+                    storage_of(gradient).nbytes()
                 )
 
         return hook
@@ -437,7 +436,7 @@ def _profiled_graph(
         static_tensors = [*model.parameters(), *model.buffers(), *tensors_in(inputs)]
         static_tensors += extra_static_tensors(graph_module)
         tracker.track(static_tensors)
-        tracker.static_keys = {id(t.untyped_storage()) for t in static_tensors}
+        tracker.static_keys = {id(storage_of(t)) for t in static_tensors}
         with tracker, _attention_on_meta(model, inputs, spec):
             interpreter, _ = _profile_step(graph_module, inputs, loss_fn, targets, tracker, split)
         _forbid_replaying_mutated_inputs(interpreter)

@@ -27,7 +27,7 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from planner.capture.chain import has_hooks
+from planner.capture.chain import replays_safely
 from planner.capture.records import Capture
 from planner.ir import ActivationGraph, CostModel, MemoryCounting, Node, TrainingStep
 from planner.profiler.attention import planned_attention
@@ -79,7 +79,8 @@ def _flags(node: fx.Node, graph_module: fx.GraphModule) -> dict[str, bool]:
             "random": isinstance(module, RANDOM_MODULES),
             "stateful": any(True for _ in module.buffers()),
             "in_place": bool(getattr(module, "inplace", False)),
-            "checkpointable": not has_hooks(module),  # a replay would run its hooks twice
+            # a replay would run its hooks twice (NOTE [hooks], NOTE [replayable hooks] in capture/chain.py)
+            "checkpointable": replays_safely(module),
         }
     target_name = getattr(node.target, "__name__", str(node.target))
     schema = getattr(node.target, "_schema", None)  # ATen operators (torch.export graphs)

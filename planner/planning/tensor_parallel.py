@@ -166,8 +166,8 @@ def agreed_plan(graph: ActivationGraph, solve: Callable[[], Plan], mesh: DeviceM
     if place == 0:
         try:
             payload[0] = solve()
-        except PlannerError as error:
-            payload[1] = str(error)
+        except Exception as error:  # the others wait in the broadcast: tell them, then raise here
+            payload[1] = f"{type(error).__name__}: {error}"
             dist.broadcast_object_list(payload, src=source, group=group)
             raise
     dist.broadcast_object_list(payload, src=source, group=group)
@@ -175,9 +175,14 @@ def agreed_plan(graph: ActivationGraph, solve: Callable[[], Plan], mesh: DeviceM
     if not isinstance(solved, Plan):
         solve()
         raise PlannerError(f"rank 0 of the tensor parallel group found no plan, this rank did: {message}")
-    if place != 0:
-        solved = _on_own_graph(solved, graph)
-    return _checked_on_every_rank(solved, group)
+    verdict: int | str
+    try:
+        own = solved if place == 0 else _on_own_graph(solved, graph)
+        verdict = simulate(own.graph, own.schedule).peak_bytes
+    except UnsupportedModel as error:  # raised on every rank by the agreement, this one's included
+        own, verdict = solved, str(error)
+    _agree_on_every_rank(verdict, solved.budget_bytes, group)
+    return own
 
 
 def _on_own_graph(solved: Plan, graph: ActivationGraph) -> Plan:
@@ -195,18 +200,18 @@ def _on_own_graph(solved: Plan, graph: ActivationGraph) -> Plan:
     return dataclasses.replace(solved, graph=graph)
 
 
-def _checked_on_every_rank(plan: Plan, group: ProcessGroup) -> Plan:
-    """`plan`, once every rank's own prediction of it fits the budget; else every rank raises."""
-    peak_bytes = simulate(plan.graph, plan.schedule).peak_bytes
-    peaks: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(peaks, peak_bytes, group=group)
-    over = [
-        (rank, peak) for rank, peak in enumerate(peaks) if isinstance(peak, int) and peak > plan.budget_bytes
-    ]
-    if over:
-        rank, peak = over[0]
-        raise PlannerError(
-            f"rank 0's plan is predicted at {peak} B on rank {rank} of the tensor parallel group, over the "
-            f"budget of {plan.budget_bytes} B: the ranks hold different memory; plan with a lower budget"
-        )
-    return plan
+def _agree_on_every_rank(verdict: int | str, budget_bytes: int, group: ProcessGroup) -> None:
+    """Gather every rank's `verdict` on the plan (its own predicted peak, or why it cannot take the
+    plan) and raise on every rank when one rank cannot take it or is predicted over the budget."""
+    verdicts: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, verdict, group=group)
+    for rank, other in enumerate(verdicts):
+        if isinstance(other, str):
+            raise UnsupportedModel(
+                f"rank {rank} of the tensor parallel group cannot take rank 0's plan: {other}"
+            )
+        if isinstance(other, int) and other > budget_bytes:
+            raise PlannerError(
+                f"rank 0's plan is predicted at {other} B on rank {rank} of the tensor parallel group, over "
+                f"the budget of {budget_bytes} B: the ranks hold different memory; plan with a lower budget"
+            )

@@ -70,8 +70,8 @@ def optimize(
 
     For tensor parallelism, call `optimize` inside every rank after `parallelize_module` (ColwiseParallel
     and RowwiseParallel Linears), with that rank's example batch and `tensor_parallel=mesh`, the
-    DeviceMesh the model was parallelized over: each rank profiles its own shards, rank 0 solves, and
-    every rank gets the same schedule with its own predicted peak (NOTE [tensor parallel plans] in
+    DeviceMesh the model was parallelized over: each rank profiles its own shards, rank 0 solves the
+    ranks' graphs merged, and every rank gets that plan (NOTE [tensor parallel plans] in
     planning/tensor_parallel.py). SequenceParallel, loss parallelism and FSDP x TP are refused.
 
     Per-node times are measured on the model's device (`cost_model="measured"`) or priced by FLOPs

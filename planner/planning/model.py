@@ -69,7 +69,12 @@ from planner.planning.arguments import (
 )
 from planner.planning.graph import Frontier, pareto_frontier, plan_graph
 from planner.planning.plan import Plan
-from planner.planning.tensor_parallel import agreed_plan, check_tensor_parallel, refuse_unannounced
+from planner.planning.tensor_parallel import (
+    agreed_plan,
+    check_tensor_parallel,
+    collective_buffer_bytes,
+    refuse_unannounced,
+)
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.interpreter import LOSS_NODE, build_activation_graph
 from planner.profiler.measurement import OptimizerSpec, default_loss
@@ -187,10 +192,24 @@ class Profile:
         budget = budget_bytes_of(budget_gb, budget_bytes)
         kind = self.default_budget_kind if budget_kind is None else budget_kind
         solve = functools.partial(
-            plan_graph, self.graph, budget_bytes=budget, solver=solver, budget_kind=kind, allocator=allocator
+            plan_graph, budget_bytes=budget, solver=solver, budget_kind=kind, allocator=allocator
         )
         mesh = self.settings.tensor_parallel
-        return self.apply(solve() if mesh is None else agreed_plan(self.graph, solve, mesh))
+        if mesh is None:
+            return self.apply(solve(self.graph))
+        # Solved on every rank's graph merged: the plan's graph is not this rank's own (NOTE [tensor
+        # parallel plans] in planning/tensor_parallel.py); its schedule names the same nodes.
+        planned = agreed_plan(self.graph, solve, mesh, buffer_bytes=self.collective_buffer_bytes)
+        planned.module = self.rewrite(planned.schedule, budget_bytes=planned.budget_bytes)
+        planned.profile = self
+        return planned
+
+    @functools.cached_property
+    def collective_buffer_bytes(self) -> int:
+        """Under tensor parallelism, the largest collective result of one step (probed once, by every
+        rank together): the workspace a plan keeps for it (NOTE [tensor parallel plans])."""
+        settings = self.settings
+        return collective_buffer_bytes(self.model, self.example_args, self.example_kwargs, settings.loss_fn)
 
     @property
     def default_budget_kind(self) -> BudgetKind:

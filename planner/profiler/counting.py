@@ -32,8 +32,9 @@ instruments look through wrappers to them (`local_tensors`, `storage_of`). A dis
 DTensor operator's result, not the local operator DTensor runs for it (modes run before subclasses,
 and a mode is off inside its own handler), so what the tracker sees of a DTensor operator is its local
 result; the collectives tensor parallelism runs (`_c10d_functional.all_reduce` and its wait) run on
-plain tensors and are seen as they are. tests/planner/test_tensor_parallel.py checks the counting
-against the CPU allocator's own events on a tensor parallel step.
+plain tensors and are seen as they are. tests/planner/test_tensor_parallel.py checks that each rank
+counts its parameters as their shards; bench/tensor_parallel.py records beside every rank's measured
+peak the CPU allocator's own count, which also sees gloo's buffers (no tensor of the step).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ class Quote:
 
 
 SOLVERS_RESULTS = "bench/results/solvers.md"
+TENSOR_PARALLEL_RESULTS = "bench/results/tensor_parallel.md"
 QUOTES = (
     Quote("coverage", "docs/coverage.md", "bench/results/coverage.md", "| model | precision |"),
     Quote("solvers", "docs/results.md", SOLVERS_RESULTS, "| graph | nodes | solver |"),
@@ -49,6 +50,7 @@ QUOTES = (
     Quote("compare-summary", "docs/benchmark.md", "bench/results/compare.md", "| model | mode | peer |"),
     Quote("compare-tally", "docs/benchmark.md", "bench/results/compare.md", "| mode | solver |"),
     Quote("compile-time", "docs/compiled.md", "bench/results/compile_time.md", "| model | torch.compile s |"),
+    Quote("tensor-parallel", "docs/usage.md", TENSOR_PARALLEL_RESULTS, "| ranks | split | unplanned |"),
 )
 
 

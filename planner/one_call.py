@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from planner.ir import BudgetKind, CostModel, MemoryCounting, Sharding, TrainingStep
 from planner.planning.arguments import (
@@ -51,6 +52,7 @@ def optimize(
     memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
     budget_kind: BudgetKind | str | None = None,
     allocator_conf: str | None = None,
+    tensor_parallel: DeviceMesh | None = None,
 ) -> Plan:
     """Plan activation checkpointing so one training step of `model` fits the budget:
     `planner.profile(model, example_inputs, ...)` and then `.plan(budget, solver)` on that profile.
@@ -68,6 +70,12 @@ def optimize(
     then `plan.module` (NOTE [FSDP2] in rewrite/emit.py), with the `reshard_after_forward` given here
     (fully_shard's argument: False keeps each block's parameters from its forward to its backward).
     Raises `UnsupportedModel` for a model that `fully_shard` already wraps.
+
+    For tensor parallelism, call `optimize` inside every rank after `parallelize_module` (ColwiseParallel
+    and RowwiseParallel Linears), with that rank's example batch and `tensor_parallel=mesh`, the
+    DeviceMesh the model was parallelized over: each rank profiles its own shards, rank 0 solves the
+    ranks' graphs merged, and every rank gets that plan (NOTE [tensor parallel plans] in
+    planning/tensor_parallel.py). SequenceParallel, loss parallelism and FSDP x TP are refused.
 
     Per-node times are measured on the model's device (`cost_model="measured"`) or priced by FLOPs
     and bytes on a named device (`cost_model="analytic", device="h100"`), which also plans a model
@@ -103,6 +111,11 @@ def optimize(
     counting = memory_counting_of(memory_counting)
     allocator = allocator_settings_of(allocator_conf)
     if compile:
+        if tensor_parallel is not None:
+            raise ValueError(
+                "compile=True plans one process's compiled step; with tensor_parallel plan with "
+                "compile=False (every rank gets the same eager plan)"
+            )
         if budget_kind == BudgetKind.RESERVED:
             raise ValueError(
                 "compile=True plans bound allocated bytes, measured on the compiled step; budget_kind="
@@ -127,6 +140,7 @@ def optimize(
         sharding=sharding,
         reshard_after_forward=reshard_after_forward,
         memory_counting=counting,
+        tensor_parallel=tensor_parallel,
     )
     plan = profiled.plan(budget_bytes=budget, solver=solver, budget_kind=budget_kind, allocator=allocator)
     return on_card(plan, card)
@@ -191,12 +205,14 @@ def pareto(
     sharding: Sharding | str = Sharding.DDP,
     reshard_after_forward: bool = True,
     memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
+    tensor_parallel: DeviceMesh | None = None,
 ) -> Frontier:
     """Predicted (peak, recompute) frontier over budgets, from one captured and profiled graph.
 
     Budgets are `budgets_bytes`, or `points` budgets from the lowest achievable peak to the peak
     without checkpointing. `frontier.plot(path)` draws it. `planner.profile(...).pareto(...)` is the
-    same, keeping the profile to plan one of the budgets afterwards.
+    same, keeping the profile to plan one of the budgets afterwards. Under tensor parallelism
+    (`tensor_parallel=mesh`) each rank's frontier is its own prediction; no plan is agreed on.
     """
     check_solver(solver)
     profiled = profile(
@@ -212,6 +228,7 @@ def pareto(
         sharding=sharding,
         reshard_after_forward=reshard_after_forward,
         memory_counting=memory_counting,
+        tensor_parallel=tensor_parallel,
     )
     return profiled.pareto(points=points, budgets_bytes=budgets_bytes, solver=solver)
 

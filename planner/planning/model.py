@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import warnings
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map
 
 from planner.capture.chain import candidate_units, capture
@@ -68,6 +70,12 @@ from planner.planning.arguments import (
 )
 from planner.planning.graph import Frontier, pareto_frontier, plan_graph
 from planner.planning.plan import Plan
+from planner.planning.tensor_parallel import (
+    agreed_plan,
+    check_tensor_parallel,
+    collective_buffer_bytes,
+    refuse_unannounced,
+)
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.interpreter import LOSS_NODE, build_activation_graph
 from planner.profiler.measurement import OptimizerSpec, default_loss
@@ -126,6 +134,9 @@ class ProfileSettings:
     """How the graph counts each storage's bytes (NOTE [counted bytes] in ir.py)."""
     reshard_after_forward: bool = True
     """Under sharding='fsdp': whether `fully_shard` frees a block's parameters after its forward."""
+    tensor_parallel: DeviceMesh | None = None
+    """The tensor parallel DeviceMesh the model was parallelized over, or None: rank 0 of it solves and
+    every rank takes its plan (NOTE [tensor parallel plans] in planning/tensor_parallel.py)."""
 
 
 def _autocast_now() -> tuple[tuple[str, torch.dtype], ...]:
@@ -183,10 +194,25 @@ class Profile:
         reserved memory is predicted for CUDA's caching allocator under `allocator` (default settings)."""
         budget = budget_bytes_of(budget_gb, budget_bytes)
         kind = self.default_budget_kind if budget_kind is None else budget_kind
-        planned = plan_graph(
-            self.graph, budget_bytes=budget, solver=solver, budget_kind=kind, allocator=allocator
+        solve = functools.partial(
+            plan_graph, budget_bytes=budget, solver=solver, budget_kind=kind, allocator=allocator
         )
-        return self.apply(planned)
+        mesh = self.settings.tensor_parallel
+        if mesh is None:
+            return self.apply(solve(self.graph))
+        # Solved on every rank's graph merged: the plan's graph is not this rank's own (NOTE [tensor
+        # parallel plans] in planning/tensor_parallel.py); its schedule names the same nodes.
+        planned = agreed_plan(self.graph, solve, mesh, buffer_bytes=self.collective_buffer_bytes)
+        planned.module = self.rewrite(planned.schedule, budget_bytes=planned.budget_bytes)
+        planned.profile = self
+        return planned
+
+    @functools.cached_property
+    def collective_buffer_bytes(self) -> int:
+        """Under tensor parallelism, the largest collective result of one step (probed once, by every
+        rank together): the workspace a plan keeps for it (NOTE [tensor parallel plans])."""
+        settings = self.settings
+        return collective_buffer_bytes(self.model, self.example_args, self.example_kwargs, settings.loss_fn)
 
     @property
     def default_budget_kind(self) -> BudgetKind:
@@ -369,12 +395,14 @@ def profile(
     sharding: Sharding | str = Sharding.DDP,
     memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
     reshard_after_forward: bool = True,
+    tensor_parallel: DeviceMesh | None = None,
 ) -> Profile:
     """Capture `model` and profile one training step of it; plan with `.plan(budget_gb=...)`.
 
     The arguments are `planner.optimize`'s without the budget and the solver (see its docstring).
     Raises `UnsupportedModel` when no capture level works, and TypeError/ValueError naming a bad
-    argument. The model is left unchanged.
+    argument. The model is left unchanged. With `tensor_parallel=mesh` every rank of the mesh must
+    call `.plan(...)` together: rank 0 solves, every rank gets its plan.
     """
     settings = ProfileSettings(
         optimizer=optimizer,
@@ -389,8 +417,10 @@ def profile(
         reshard_after_forward=reshard_after_forward_of(
             sharding_of(world_size, sharding), reshard_after_forward
         ),
+        tensor_parallel=tensor_parallel,
     )
     refuse_sharded_model(model)
+    _check_tensor_parallel(model, settings)
     args = example_call(example_inputs, example_kwargs)
     kwargs = dict(example_kwargs or {})
     if settings.sharding is Sharding.FSDP and settings.cost_model is CostModel.MEASURED:
@@ -417,6 +447,19 @@ def profile(
     )
     log.info("profiled %d nodes in %.1f s", len(profiled.nodes), time.perf_counter() - started)
     return _profile_of(model, args, kwargs, captured, profiled, settings)
+
+
+def _check_tensor_parallel(model: torch.nn.Module, settings: ProfileSettings) -> None:
+    """A DTensor model is planned only with `tensor_parallel`, alone (planning/tensor_parallel.py)."""
+    if settings.tensor_parallel is None:
+        refuse_unannounced(model)
+        return
+    check_tensor_parallel(model, settings.tensor_parallel)
+    if settings.world_size != 1:
+        raise UnsupportedModel(
+            f"tensor_parallel with world_size={settings.world_size}: data parallelism on top of tensor "
+            "parallelism is not planned yet; plan one tensor parallel group (world_size=1)"
+        )
 
 
 def _profile_of(

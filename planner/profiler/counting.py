@@ -20,6 +20,21 @@ NOTE [counting scope]: a graph counts every byte one way (`ActivationGraph.memor
 profiling step that builds it runs many instruments (the node tracker, optimizer probes, kernel scratch
 probes, the compiled step's storages). `counting_scope(counting)` sets the counting they all use for the
 duration of one build; outside a scope it is the default, blocks.
+
+NOTE [wrapper subclasses]: a tensor parallel model's parameters are DTensors (and a collective's result
+an AsyncCollectiveTensor until it is waited on): tensor subclasses made by `_make_wrapper_subclass`
+that hold a plain tensor, this rank's shard, inside (`__tensor_flatten__` names it: `_local_tensor`,
+`elem`). The wrapper's own `untyped_storage()` is a stand-in with no memory behind it, sized for the
+*global* shape (a [128, 128] weight sharded in two reports 65,536 bytes and its local shard holds
+32,768), and every wrapper has its own, so counting wrappers counted each shard at the whole tensor's
+size and each view of it again. What a device holds is the plain tensors inside, and the counting
+instruments look through wrappers to them (`local_tensors`, `storage_of`). A dispatch mode sees a
+DTensor operator's result, not the local operator DTensor runs for it (modes run before subclasses,
+and a mode is off inside its own handler), so what the tracker sees of a DTensor operator is its local
+result; the collectives tensor parallelism runs (`_c10d_functional.all_reduce` and its wait) run on
+plain tensors and are seen as they are. tests/planner/test_tensor_parallel.py checks that each rank
+counts its parameters as their shards; bench/tensor_parallel.py records beside every rank's measured
+peak the CPU allocator's own count, which also sees gloo's buffers (no tensor of the step).
 """
 
 from __future__ import annotations
@@ -34,7 +49,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from planner.ir import MemoryCounting
@@ -45,6 +60,8 @@ __all__ = [
     "counted_bytes",
     "counting_scope",
     "current_counting",
+    "local_tensors",
+    "storage_of",
     "storage_bytes",
     "tensors_in",
 ]
@@ -84,6 +101,31 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return found
 
 
+def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `tensor`'s memory on this device: `tensor` itself, or the tensors
+    inside a wrapper subclass (a DTensor's local shard), looked into recursively (NOTE [wrapper
+    subclasses])."""
+    wrapper: Any = tensor  # the TypeGuard's protocol does not overlap Tensor for mypy
+    if not is_traceable_wrapper_subclass(wrapper):
+        return [tensor]
+    names, _ = wrapper.__tensor_flatten__()
+    # Not every inner attribute is a tensor: a DTensor also names its DeviceMesh (an opaque object).
+    inner = [getattr(wrapper, name) for name in names]
+    return [local for value in inner if isinstance(value, torch.Tensor) for local in local_tensors(value)]
+
+
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage:
+    """The storage behind `tensor` on this device: its own, or a wrapper's one inner tensor's (NOTE
+    [wrapper subclasses]). A wrapper of several tensors has no one storage: that is an error."""
+    inner = local_tensors(tensor)
+    if len(inner) != 1:
+        raise TypeError(
+            f"a {type(tensor).__name__} holds {len(inner)} tensors, not one: the planner counts a tensor "
+            "subclass by the one plain tensor inside it (a DTensor's local shard)"
+        )
+    return inner[0].untyped_storage()
+
+
 class LiveStorageTracker(TorchDispatchMode):
     """Counts live tensor-storage bytes and their peak while active (CPU or any device).
 
@@ -103,9 +145,10 @@ class LiveStorageTracker(TorchDispatchMode):
         self._tracked: set[int] = set()
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Count the storages of tensors that already exist."""
+        """Count the storages of tensors that already exist (a wrapper subclass's inner tensors')."""
         for tensor in tensors:
-            self._register(tensor)
+            for local in local_tensors(tensor):
+                self._register(local)
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current live bytes."""
@@ -117,7 +160,7 @@ class LiveStorageTracker(TorchDispatchMode):
         return self.counting.of(size_bytes)
 
     def is_tracked(self, tensor: torch.Tensor) -> bool:
-        return id(tensor.untyped_storage()) in self._tracked
+        return all(id(local.untyped_storage()) in self._tracked for local in local_tensors(tensor))
 
     def _register(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -141,7 +184,8 @@ class LiveStorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         output = func(*args, **(kwargs or {}))
         for tensor in tensors_in(output):
-            self._register(tensor)
+            for local in local_tensors(tensor):
+                self._register(local)
         return output
 
 
@@ -244,7 +288,8 @@ def _phase_peaks(
 
 def storage_sizes(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Exact bytes of each distinct storage behind `tensors` (tied weights and views count once)."""
-    sizes = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
+    locals_ = [local for tensor in tensors for local in local_tensors(tensor)]
+    sizes = {local.untyped_storage().data_ptr(): local.untyped_storage().nbytes() for local in locals_}
     return list(sizes.values())
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from planner.capture.chain import has_hooks
+from planner.capture.chain import replays_safely
 from planner.capture.records import Capture
 from planner.ir import ActivationGraph, CostModel, MemoryCounting, Node, TrainingStep
 from planner.profiler.attention import planned_attention
@@ -37,6 +37,7 @@ from planner.profiler.counting import (
     counted_bytes,
     counting_scope,
     current_counting,
+    storage_of,
     tensors_in,
 )
 from planner.profiler.measurement import OptimizerSpec, end_autocast_forward, start_autocast_forward
@@ -78,7 +79,8 @@ def _flags(node: fx.Node, graph_module: fx.GraphModule) -> dict[str, bool]:
             "random": isinstance(module, RANDOM_MODULES),
             "stateful": any(True for _ in module.buffers()),
             "in_place": bool(getattr(module, "inplace", False)),
-            "checkpointable": not has_hooks(module),  # a replay would run its hooks twice
+            # a replay would run its hooks twice (NOTE [hooks], NOTE [replayable hooks] in capture/chain.py)
+            "checkpointable": replays_safely(module),
         }
     target_name = getattr(node.target, "__name__", str(node.target))
     schema = getattr(node.target, "_schema", None)  # ATen operators (torch.export graphs)
@@ -133,9 +135,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             record.keep_cache_bytes = tracker.keep_cache_since_mark_bytes
             fresh = {id(storage): storage for storage in tracker.fresh_storages()}
             made = (
-                list(fresh.values())
-                if every_new
-                else [tensor.untyped_storage() for tensor in tensors_in(output)]
+                list(fresh.values()) if every_new else [storage_of(tensor) for tensor in tensors_in(output)]
             )
             for storage in made:
                 if id(storage) in fresh:
@@ -332,7 +332,7 @@ def _profile_step(
         def hook(gradient: torch.Tensor) -> None:
             if clock.current is not None:
                 interpreter.records[clock.current].parameter_gradient_bytes += counted_bytes(
-                    gradient.untyped_storage().nbytes()
+                    storage_of(gradient).nbytes()
                 )
 
         return hook
@@ -437,7 +437,7 @@ def _profiled_graph(
         static_tensors = [*model.parameters(), *model.buffers(), *tensors_in(inputs)]
         static_tensors += extra_static_tensors(graph_module)
         tracker.track(static_tensors)
-        tracker.static_keys = {id(t.untyped_storage()) for t in static_tensors}
+        tracker.static_keys = {id(storage_of(t)) for t in static_tensors}
         with tracker, _attention_on_meta(model, inputs, spec):
             interpreter, _ = _profile_step(graph_module, inputs, loss_fn, targets, tracker, split)
         _forbid_replaying_mutated_inputs(interpreter)

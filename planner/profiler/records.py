@@ -27,7 +27,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.ir import MemoryCounting
-from planner.profiler.counting import LiveStorageTracker, tensors_in
+from planner.profiler.counting import LiveStorageTracker, storage_of, tensors_in
 from planner.profiler.selective_cost import OperatorCounter, saved_when_kept
 
 __all__ = [
@@ -154,7 +154,7 @@ class ProfilingTracker(LiveStorageTracker):
 
     def name_of(self, tensor: torch.Tensor, *, create: bool) -> str | None:
         """Name of an activation storage (None for static ones); `create` names a new storage."""
-        return self.name_of_storage(tensor.untyped_storage(), create=create)
+        return self.name_of_storage(storage_of(tensor), create=create)
 
     def name_of_storage(self, storage: torch.UntypedStorage, *, create: bool) -> str | None:
         key = id(storage)

@@ -33,7 +33,13 @@ from torch import fx
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 from planner.ir import NO_OPTIMIZER, StaticBytes, TrainingStep
-from planner.profiler.counting import LiveStorageTracker, counted_bytes, tensors_in
+from planner.profiler.counting import (
+    LiveStorageTracker,
+    counted_bytes,
+    local_tensors,
+    storage_of,
+    tensors_in,
+)
 from planner.profiler.measurement import OptimizerSpec, make_optimizer
 
 __all__ = [
@@ -56,7 +62,7 @@ make scalar temporaries (a step count per parameter) negligible, small enough to
 def _unique_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
     total = 0
     for tensor in tensors:
-        storage = tensor.untyped_storage()
+        storage = storage_of(tensor)
         if id(storage) not in seen:
             seen.add(id(storage))
             total += counted_bytes(storage.nbytes())
@@ -66,7 +72,14 @@ def _unique_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
 def _gradient_bytes_of(parameters: list[torch.nn.Parameter]) -> int:
     """Bytes of the parameters' `.grad` buffers (one per parameter object, in the parameter's dtype)."""
     unique = {id(p): p for p in parameters}
-    return sum(counted_bytes(p.numel() * p.element_size()) for p in unique.values())
+    return sum(counted_bytes(_local(p).numel() * p.element_size()) for p in unique.values())
+
+
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    """The part of `parameter` this rank holds: a DTensor's local shard (NOTE [wrapper subclasses] in
+    counting.py), a plain tensor itself. Its state, gradient and step temporaries are the shard's size."""
+    (local,) = local_tensors(parameter)
+    return local
 
 
 def optimizer_implementation(
@@ -108,7 +121,7 @@ def _stand_in(parameter: torch.nn.Parameter, scale: float) -> torch.nn.Parameter
     Each dimension is rounded up, so elements(stand-in) >= scale * elements(parameter): temporaries
     measured on stand-ins and divided by `scale` bound those of the parameters from above.
     """
-    shape = list(parameter.shape)
+    shape = list(_local(parameter).shape)
     remaining = scale
     for axis, size in enumerate(shape):
         if remaining >= 1.0:
@@ -124,7 +137,7 @@ def _stand_in(parameter: torch.nn.Parameter, scale: float) -> torch.nn.Parameter
 
 def _scale_for(parameters: list[torch.nn.Parameter], limit_elements: float) -> float:
     """The uniform scale that brings `parameters` down to about `limit_elements` (1: full size)."""
-    total_elements = sum(p.numel() for p in {id(p): p for p in parameters}.values())
+    total_elements = sum(_local(p).numel() for p in {id(p): p for p in parameters}.values())
     return min(1.0, limit_elements / max(1, total_elements))
 
 
@@ -186,7 +199,7 @@ def _state_bytes(spec: OptimizerSpec, parameters: list[torch.nn.Parameter], devi
     by_kind: dict[tuple[tuple[int, ...], torch.dtype, torch.device, int | None], int] = {}
     total = 0
     for parameter in parameters:
-        key = (tuple(parameter.shape), parameter.dtype, parameter.device, group_of.get(id(parameter)))
+        key = (tuple(_local(parameter).shape), parameter.dtype, parameter.device, group_of.get(id(parameter)))
         if key not in by_kind:
             scale = _scale_for([parameter], META_PROBE_ELEMENTS) if parameter.is_meta else 1.0
             stand_in = _stand_in(parameter, scale)
@@ -197,8 +210,9 @@ def _state_bytes(spec: OptimizerSpec, parameters: list[torch.nn.Parameter], devi
             scalars_bytes = _unique_bytes([v for v in state if v.dim() == 0], set())
             # State is elementwise but for scalars (the step count): scale only the rest, each
             # storage at the parameter's size before it is counted.
+            local_elements = _local(parameter).numel()
             by_kind[key] = scalars_bytes + sum(
-                counted_bytes(math.ceil(v.untyped_storage().nbytes() * parameter.numel() / stand_in.numel()))
+                counted_bytes(math.ceil(v.untyped_storage().nbytes() * local_elements / stand_in.numel()))
                 for v in vectors
             )
         total += by_kind[key]
@@ -239,7 +253,7 @@ def _optimizer_step_bytes(spec: OptimizerSpec, parameters: list[torch.nn.Paramet
         return _step_temporaries(
             spec, parameters, device_type=device_type, limit_elements=OPTIMIZER_PROBE_ELEMENTS
         )
-    order = sorted(range(len(parameters)), key=lambda i: parameters[i].numel(), reverse=True)
+    order = sorted(range(len(parameters)), key=lambda i: _local(parameters[i]).numel(), reverse=True)
     pair_limit = 2 * META_PROBE_ELEMENTS if any(p.is_meta for p in parameters) else math.inf
     return max(
         _step_temporaries(
@@ -354,7 +368,7 @@ def extra_static_tensors(graph_module: fx.GraphModule) -> list[torch.Tensor]:
 
 def constant_bytes(graph_module: fx.GraphModule, model: torch.nn.Module) -> int:
     """Bytes of the graph's tensor constants that are not parameters or buffers of `model`."""
-    seen = {id(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
+    seen = {id(storage_of(t)) for t in [*model.parameters(), *model.buffers()]}
     return _unique_bytes(extra_static_tensors(graph_module), seen)
 
 

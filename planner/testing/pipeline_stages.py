@@ -12,6 +12,7 @@ the second, so the receive buffers and the optimizer state exist before it, as i
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -47,6 +48,7 @@ __all__ = [
     "reference_step",
     "planned_stage",
     "run_pipeline",
+    "time_pipelines",
     "token_loss",
 ]
 
@@ -313,6 +315,66 @@ def run_pipeline(
         return [
             RankRecord(**json.loads(Path(out, f"rank{r}.json").read_text())) for r in range(config.stages)
         ]
+
+
+def _time_main(rank: int, config: PipelineConfig, wrappers: dict[str, StageWrapper | None], rounds: int,
+               port: int, out: str) -> None:  # fmt: skip
+    from torch.distributed.pipelining import PipelineStage
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=config.stages)
+    try:
+        tokens, targets = example_batch(config)
+        first, last = rank == 0, rank == config.stages - 1
+        steps: dict[str, Callable[[], None]] = {}
+        for name, wrapper in wrappers.items():
+            module = build_stages(config)[rank]
+            trained = wrapper(rank, module) if wrapper is not None else module
+            schedule = _schedule(config, PipelineStage(trained, rank, config.stages, torch.device("cpu")))
+            optimizer = torch.optim.Adam(trained.parameters(), lr=config.learning_rate)
+            steps[name] = functools.partial(_train_step, schedule, optimizer, tokens if first else None,
+                                            targets if last else None)  # fmt: skip
+        names = list(steps)
+        for name in names:  # warm up: receive buffers, optimizer state
+            steps[name]()
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for round_index in range(rounds):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                dist.barrier()
+                started = time.perf_counter()
+                steps[name]()
+                dist.barrier()
+                times[name].append((time.perf_counter() - started) * 1e3)
+        if rank == 0:
+            Path(out, "times.json").write_text(json.dumps(times))
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_step(schedule: Any, optimizer: torch.optim.Optimizer, tokens: torch.Tensor | None,
+                targets: torch.Tensor | None) -> None:  # fmt: skip
+    optimizer.zero_grad(set_to_none=True)
+    args = (tokens,) if tokens is not None else ()
+    schedule.step(*args, target=targets, return_outputs=False)
+    optimizer.step()
+
+
+def time_pipelines(
+    config: PipelineConfig, wrappers: dict[str, StageWrapper | None], *, rounds: int
+) -> dict[str, list[float]]:
+    """Step times (ms, barrier to barrier, so the slowest rank's) of every variant of `config`'s
+    pipeline, in one gloo group, in `rounds` rounds of one step each in a rotating order: variants
+    timed under the same load, paired by round (the CPU's speed drifts over seconds)."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(
+            _time_main,
+            args=(config, wrappers, rounds, free_port(), out),
+            nprocs=config.stages,
+            start_method="spawn",
+        )
+        return dict(json.loads(Path(out, "times.json").read_text()))
 
 
 def reference_step(config: PipelineConfig) -> list[RankRecord]:

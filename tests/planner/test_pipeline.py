@@ -63,6 +63,37 @@ def test_in_flight_counts(schedule: PipelineSchedule, stages: int, micro_batches
         assert in_flight_at_peak(actions) == expected, f"stage {stage} of {stages}: {actions}"
 
 
+@pytest.mark.parametrize(("stages", "micro_batches"), [(4, 6), (4, 4), (3, 2), (2, 5)])
+@pytest.mark.parametrize("schedule", list(PipelineSchedule))
+def test_actions_follow_torch(schedule: PipelineSchedule, stages: int, micro_batches: int) -> None:
+    """Each stage's forwards and backwards run in the order of torch's own schedule IR
+    (`_get_pipeline_order`, the action lists the schedule documents itself with). Forwards are
+    numbered in the order they run: torch 2.13's 1F1B IR numbers the last stage's forwards from 1
+    (its steady state increments `forward_mb` before the first one), where its executed loop runs
+    micro-batch 0 first."""
+    from torch.distributed.pipelining import schedules
+
+    kinds = {
+        PipelineSchedule.GPIPE: schedules.ScheduleGPipe,
+        PipelineSchedule.ONE_F_ONE_B: schedules.Schedule1F1B,
+    }
+    torch_schedule = object.__new__(kinds[schedule])
+    torch_schedule._num_stages, torch_schedule._n_microbatches = stages, micro_batches
+    order = torch_schedule._get_pipeline_order()
+    for stage in range(stages):
+        torch_actions, forwards = [], 0
+        for action in order[stage]:
+            if action is None:
+                continue
+            if action.computation_type is schedules._ComputationType.FORWARD:
+                torch_actions.append((False, forwards))
+                forwards += 1
+            elif action.computation_type is schedules._ComputationType.FULL_BACKWARD:
+                torch_actions.append((True, action.microbatch_index))
+        ours = stage_actions(schedule, stage=stage, stages=stages, micro_batches=micro_batches)
+        assert [(action.backward, action.micro_batch) for action in ours] == torch_actions, f"stage {stage}"
+
+
 def unplanned_peak_bytes(config: PipelineConfig) -> int:
     """The highest predicted stage peak without checkpointing (measured within 2 % of it in
     bench/results/pipeline.json's "none" rows)."""

@@ -53,6 +53,7 @@ BUDGET_FRACTION = 0.75
 CONFIGS = (
     PipelineConfig(stages=2, blocks=8, schedule="1f1b"),
     PipelineConfig(stages=2, blocks=8, schedule="gpipe"),
+    PipelineConfig(stages=4, ranks=2, blocks=8, schedule="interleaved_1f1b"),
 )
 
 
@@ -128,11 +129,12 @@ def main() -> None:
         log.info("%s", entry["plan_summary"])
         for row in entry["rows"]:
             log.info(
-                "  %-50s peaks %s fits %s, %.1f ms",
+                "  %-36s peaks %s fits %s, %.1f ms, %.3fx the plans'",
                 row["policy"],
                 row["measured_peak_bytes"],
                 row["fits"],
-                row["step_ms"],
+                row["step_ms_median"],
+                row["step_time_over_plans"],
             )
 
 

@@ -9,11 +9,10 @@
 The flow is capture (capture/) -> activation graph (profiler/) -> solve (solvers/) -> rewrite
 (rewrite/), on the contract (ir.py) and a torch-free model of a step's memory (simulation/); a solved
 plan is explained by report/, and planning/ puts the pipeline together (`Plan`, `profile`,
-`plan_graph`), with compiled/ for `compile=True`, one_call for `optimize`, `pareto` and `measure`, and
-sizing/ for `capacity`,
-pipelining for `optimize_pipeline` (a plan per pipeline stage); docs/layout.md draws the stages and what
-each may import. `profile` runs the
-first two stages once and keeps them (a `Profile`) for any number of solves, which is what `optimize`,
+`plan_graph`), with compiled/ for `compile=True`, one_call for `optimize`, `pareto` and `measure`,
+pipelining/ for `optimize_pipeline` (a plan per stage of a pipeline schedule) and sizing/ for
+`capacity`; docs/layout.md draws the stages and what each may import. `profile` runs the first two
+stages once and keeps them (a `Profile`) for any number of solves, which is what `optimize`,
 `pareto` and `Plan.replan` do; `measure` reports what a real training step used. The solvers, the
 simulator and `Plan` work on plain data (ir.py) and never import torch: `import planner` alone does not
 import torch either, so a service can solve a posted graph without it. `optimize`, `profile`,

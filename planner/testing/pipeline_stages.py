@@ -1,6 +1,6 @@
 """A small transformer split into pipeline stages, and a gloo run of it that measures each rank.
 
-Why it exists: a per-stage plan (planner/pipelining.py) is only as good as its prediction of what
+Why it exists: a per-stage plan (planner/pipelining/) is only as good as its prediction of what
 each rank of a real `torch.distributed.pipelining` schedule holds. The tests and bench/pipeline.py
 run the same experiment: every rank builds the same seeded model, takes its stage (torchtitan's
 manual split: embedding and the first blocks, blocks, the last blocks with the norm and head), wraps
@@ -45,8 +45,8 @@ __all__ = [
     "free_port",
     "gradient_difference",
     "plan_pipeline",
-    "reference_step",
     "planned_stage",
+    "reference_step",
     "run_pipeline",
     "time_pipelines",
     "token_loss",
@@ -70,6 +70,16 @@ class PipelineConfig:
     micro_batches: int = 4
     schedule: str = "1f1b"
     learning_rate: float = 1e-3
+    ranks: int = 0
+    """Processes; 0: one per stage. An interleaved schedule's rank r holds stages r, r + ranks, ..."""
+
+    @property
+    def processes(self) -> int:
+        return self.ranks or self.stages
+
+    def local_stages(self, rank: int) -> list[int]:
+        """The stages `rank` holds."""
+        return list(range(rank, self.stages, self.processes))
 
 
 class TinyBlock(nn.Module):
@@ -98,7 +108,10 @@ class Stage(nn.Module):
     """One stage of the split: an optional embedding, blocks, an optional norm and head."""
 
     def __init__(
-        self, embedding: nn.Embedding | None, blocks: Sequence[TinyBlock], head: nn.Sequential | None
+        self,
+        embedding: nn.Embedding | None,
+        blocks: Sequence[TinyBlock],
+        head: nn.Sequential | None,
     ) -> None:
         super().__init__()
         self.embedding = embedding
@@ -175,8 +188,6 @@ class RankRecord:
     """Peak of live storages over the step in 512-byte blocks, everything alive at its start included."""
     start_bytes: int
     """Live bytes when the step started (parameters, optimizer state, buffers, the batch)."""
-    step_ms: float
-    """Median wall time of the timed steps (0 when none were timed)."""
     loss: float | None
     """The first step's mean loss over micro-batches (the last rank only)."""
     gradients: dict[str, list[float]] = field(default_factory=dict)
@@ -184,7 +195,7 @@ class RankRecord:
 
 
 StageWrapper = Callable[[int, nn.Module], nn.Module]
-"""(stage index, stage module) -> the module the rank trains: a plan's module, or a hand policy."""
+"""(stage index, stage module) -> the module its rank trains: a plan's module, or a hand policy."""
 
 
 def plan_pipeline(config: PipelineConfig, budget_bytes: int, stages: list[nn.Module] | None = None) -> Any:
@@ -201,20 +212,23 @@ def plan_pipeline(config: PipelineConfig, budget_bytes: int, stages: list[nn.Mod
         budget_bytes=budget_bytes,
         loss_fn=token_loss,
         example_target=targets[: config.micro_batch],
+        ranks=config.ranks or None,
     )
 
 
-def planned_stage(config: PipelineConfig, budget_bytes: int, rank: int, module: nn.Module) -> nn.Module:
-    """A `StageWrapper`: the rank's stage as `optimize_pipeline` plans it, every rank planning alike."""
+def planned_stage(config: PipelineConfig, budget_bytes: int, stage: int, module: nn.Module) -> nn.Module:
+    """A `StageWrapper`: `stage` as `optimize_pipeline` plans it, every rank planning alike."""
     stages = build_stages(config)
-    stages[rank] = module
-    return plan_pipeline(config, budget_bytes, stages).plans[rank].module
+    stages[stage] = module
+    return plan_pipeline(config, budget_bytes, stages).plans[stage].module
 
 
-def checkpointed_blocks(first_blocks: int | None, rank: int, module: nn.Module) -> nn.Module:
+def checkpointed_blocks(first_blocks: int | None, stage: int, module: nn.Module) -> nn.Module:
     """A `StageWrapper`: the hand policy, non-reentrant `checkpoint_wrapper` on the stage's first
     `first_blocks` blocks (every block when None), the same on every stage."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
 
     assert isinstance(module, Stage)
     count = len(module.blocks) if first_blocks is None else min(first_blocks, len(module.blocks))
@@ -229,11 +243,33 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _schedule(config: PipelineConfig, stage: Any) -> Any:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+def _schedule(config: PipelineConfig, stages: list[Any]) -> Any:
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
+    if config.schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, config.micro_batches, loss_fn=token_loss)
     kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+    (stage,) = stages
     return kinds[config.schedule](stage, config.micro_batches, loss_fn=token_loss)
+
+
+def _local_pipeline(
+    config: PipelineConfig, rank: int, wrapper: StageWrapper | None
+) -> tuple[list[nn.Module], Any]:
+    """The stage modules `rank` trains (the originals, whose parameters they share) and its schedule."""
+    from torch.distributed.pipelining import PipelineStage
+
+    built = build_stages(config)
+    originals = [built[stage] for stage in config.local_stages(rank)]
+    pipeline_stages = []
+    for stage, module in zip(config.local_stages(rank), originals, strict=True):
+        trained = wrapper(stage, module) if wrapper is not None else module
+        pipeline_stages.append(PipelineStage(trained, stage, config.stages, torch.device("cpu")))
+    return originals, _schedule(config, pipeline_stages)
 
 
 def _live_tensors() -> list[torch.Tensor]:
@@ -244,33 +280,39 @@ def _live_tensors() -> list[torch.Tensor]:
     return [tensor for tensor in found if tensor.device.type == "cpu"]
 
 
-def _rank_main(rank: int, config: PipelineConfig, wrapper: StageWrapper | None, port: int, out: str,
-               timed_steps: int) -> None:  # fmt: skip
-    from torch.distributed.pipelining import PipelineStage
-
+def _rank_main(rank: int, config: PipelineConfig, wrapper: StageWrapper | None, port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=config.stages)
+    dist.init_process_group("gloo", rank=rank, world_size=config.processes)
     try:
-        module = build_stages(config)[rank]
-        trained = wrapper(rank, module) if wrapper is not None else module
-        stage = PipelineStage(trained, rank, config.stages, torch.device("cpu"))
-        schedule = _schedule(config, stage)
-        optimizer = torch.optim.Adam(trained.parameters(), lr=config.learning_rate)
+        modules, schedule = _local_pipeline(config, rank, wrapper)
+        optimizer = torch.optim.Adam(
+            [p for module in modules for p in module.parameters()],
+            lr=config.learning_rate,
+        )
         tokens, targets = example_batch(config)
-        first, last = rank == 0, rank == config.stages - 1
+        first, last = (
+            0 in config.local_stages(rank),
+            config.stages - 1 in config.local_stages(rank),
+        )
 
         def step() -> list[torch.Tensor]:
             losses: list[torch.Tensor] = []
             optimizer.zero_grad(set_to_none=True)
             args = (tokens,) if first else ()
-            schedule.step(*args, target=targets if last else None, losses=losses, return_outputs=False)
+            schedule.step(
+                *args,
+                target=targets if last else None,
+                losses=losses,
+                return_outputs=False,
+            )
             optimizer.step()
             return losses
 
         losses = step()
         gradients = {
-            name: parameter.grad.flatten().tolist()
+            f"{stage}.{name}": parameter.grad.flatten().tolist()
+            for stage, module in zip(config.local_stages(rank), modules, strict=True)
             for name, parameter in module.named_parameters()
             if parameter.grad is not None
         }
@@ -280,17 +322,10 @@ def _rank_main(rank: int, config: PipelineConfig, wrapper: StageWrapper | None, 
         start_bytes = tracker.live_bytes
         with tracker:
             step()
-        times = []
-        for _ in range(timed_steps):
-            dist.barrier()
-            started = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - started) * 1e3)
         record = RankRecord(
             rank=rank,
             peak_bytes=tracker.peak_bytes,
             start_bytes=start_bytes,
-            step_ms=sorted(times)[len(times) // 2] if times else 0.0,
             loss=float(torch.stack(losses).detach().mean()) if losses else None,
             gradients=gradients,
         )
@@ -299,40 +334,38 @@ def _rank_main(rank: int, config: PipelineConfig, wrapper: StageWrapper | None, 
         dist.destroy_process_group()
 
 
-def run_pipeline(
-    config: PipelineConfig, wrapper: StageWrapper | None = None, *, timed_steps: int = 0
-) -> list[RankRecord]:
-    """Run two steps (and `timed_steps` more) of `config`'s pipeline in `config.stages` gloo processes,
-    each rank training `wrapper(stage, module)` (its stage module when None); what each rank measured.
+def run_pipeline(config: PipelineConfig, wrapper: StageWrapper | None = None) -> list[RankRecord]:
+    """Run two steps of `config`'s pipeline in gloo processes, each rank training `wrapper(stage,
+    module)` for each stage it holds (the stage module when None); what each rank measured.
     `wrapper` must be picklable (a module-level function or a `functools.partial` of one)."""
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(
             _rank_main,
-            args=(config, wrapper, free_port(), out, timed_steps),
-            nprocs=config.stages,
+            args=(config, wrapper, free_port(), out),
+            nprocs=config.processes,
             start_method="spawn",
         )
         return [
-            RankRecord(**json.loads(Path(out, f"rank{r}.json").read_text())) for r in range(config.stages)
+            RankRecord(**json.loads(Path(out, f"rank{r}.json").read_text())) for r in range(config.processes)
         ]
 
 
 def _time_main(rank: int, config: PipelineConfig, wrappers: dict[str, StageWrapper | None], rounds: int,
                port: int, out: str) -> None:  # fmt: skip
-    from torch.distributed.pipelining import PipelineStage
-
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=config.stages)
+    dist.init_process_group("gloo", rank=rank, world_size=config.processes)
     try:
         tokens, targets = example_batch(config)
-        first, last = rank == 0, rank == config.stages - 1
+        first, last = (
+            0 in config.local_stages(rank),
+            config.stages - 1 in config.local_stages(rank),
+        )
         steps: dict[str, Callable[[], None]] = {}
         for name, wrapper in wrappers.items():
-            module = build_stages(config)[rank]
-            trained = wrapper(rank, module) if wrapper is not None else module
-            schedule = _schedule(config, PipelineStage(trained, rank, config.stages, torch.device("cpu")))
-            optimizer = torch.optim.Adam(trained.parameters(), lr=config.learning_rate)
+            modules, schedule = _local_pipeline(config, rank, wrapper)
+            parameters = [p for module in modules for p in module.parameters()]
+            optimizer = torch.optim.Adam(parameters, lr=config.learning_rate)
             steps[name] = functools.partial(_train_step, schedule, optimizer, tokens if first else None,
                                             targets if last else None)  # fmt: skip
         names = list(steps)
@@ -371,7 +404,7 @@ def time_pipelines(
         mp.start_processes(
             _time_main,
             args=(config, wrappers, rounds, free_port(), out),
-            nprocs=config.stages,
+            nprocs=config.processes,
             start_method="spawn",
         )
         return dict(json.loads(Path(out, "times.json").read_text()))
@@ -392,21 +425,23 @@ def reference_step(config: PipelineConfig) -> list[RankRecord]:
         loss = token_loss(x, targets[rows])
         loss.backward()
         losses.append(loss.detach())
-    records = []
-    for rank, module in enumerate(stages):
+    for module in stages:
         for parameter in module.parameters():
             assert parameter.grad is not None
             parameter.grad.div_(config.micro_batches)
+    records = []
+    for rank in range(config.processes):
+        local = config.local_stages(rank)
         records.append(
             RankRecord(
                 rank=rank,
                 peak_bytes=0,
                 start_bytes=0,
-                step_ms=0.0,
-                loss=float(torch.stack(losses).mean()) if rank == len(stages) - 1 else None,
+                loss=float(torch.stack(losses).mean()) if config.stages - 1 in local else None,
                 gradients={
-                    name: p.grad.flatten().tolist()
-                    for name, p in module.named_parameters()
+                    f"{stage}.{name}": p.grad.flatten().tolist()
+                    for stage in local
+                    for name, p in stages[stage].named_parameters()
                     if p.grad is not None
                 },
             )

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from planner.errors import InfeasibleBudget, format_bytes
-from planner.ir import CostModel, MemoryCounting, Schedule, TrainingStep
+from planner.ir import Component, CostModel, MemoryCounting, Schedule, TrainingStep
 from planner.pipelining.report import PipelinePlan, StageReport
 from planner.pipelining.stages import (
     StageLoss,
@@ -38,8 +38,8 @@ from planner.simulation.micro_batches import for_training_step
 from planner.simulation.pipeline import (
     Action,
     PipelineSchedule,
+    RankPeak,
     StageModel,
-    StagePeak,
     StageStatic,
     in_flight_at_peak,
     rank_peak,
@@ -81,14 +81,14 @@ def optimize_pipeline(
     micro-batch of targets. `schedule` is "gpipe", "1f1b" or "interleaved_1f1b" (or the torch
     schedule class), `micro_batches` the schedule's `n_microbatches`; an interleaved schedule also
     takes `ranks`, the pipeline's ranks (rank r holds stages r, r + ranks, ..., and its budget holds
-    them all). The budget counts, per device, the stage's
-    parameters and optimizer state, its receive buffers, its share of the batch and every
-    micro-batch in flight (NOTE [stage memory] in simulation/pipeline.py); run the schedule with
-    `step(..., return_outputs=False)`, or the last stage also holds every micro-batch's output.
+    them all). The budget counts, per device, its stages' parameters and optimizer state, their
+    receive buffers, their share of the batch and every micro-batch in flight (NOTE [stage memory]
+    in simulation/pipeline.py); run the schedule with `step(..., return_outputs=False)`, or the last
+    stage also holds every micro-batch's output.
 
     Node times are analytic by default and the solver is `dp`, so that every rank computes the same
     plans (NOTE [one plan on every rank]); with `process_group`, rank 0 of the group plans and
-    broadcasts. Raises `InfeasibleBudget` for the first stage no plan fits.
+    broadcasts. Raises `InfeasibleBudget` for the first rank no plans fit.
     """
     budget = budget_bytes_of(budget_gb, budget_bytes)
     kind = schedule_of(schedule)
@@ -230,7 +230,7 @@ def _solve_stages(profiles: list[Profile], statics: list[StageStatic], pipeline:
 def predict_rank(
     profiles: list[Profile], statics: list[StageStatic], actions: list[Action], schedules: list[Schedule],
     sends_held: bool,
-) -> StagePeak:  # fmt: skip
+) -> RankPeak:  # fmt: skip
     """The predicted peak of a rank holding `profiles`' stages under `schedules` (NOTE [stage memory])."""
     models = [
         StageModel(
@@ -250,7 +250,7 @@ def _fitting_schedules(
     actions: list[Action],
     pipeline: _Pipeline,
     rank: int,
-) -> tuple[list[Schedule], StagePeak]:
+) -> tuple[list[Schedule], RankPeak]:
     """The least-recompute schedules of a rank's stages whose rank peak fits the budget (NOTE [stage
     budgets]): each stage's single-micro-batch budget at the same fraction of the way from its lowest
     achievable peak to its peak without checkpointing, the fraction found by bisection."""
@@ -267,7 +267,7 @@ def _fitting_schedules(
         raise InfeasibleBudget(
             budget_bytes=budget,
             min_peak_bytes=lowest_rank.peak_bytes,
-            breakdown=lowest[0][1].breakdown,
+            breakdown=_rank_breakdown(graphs, statics, lowest_rank.peak_bytes),
             hint=f"pipeline rank {rank}: its lowest plans hold {list(lowest_rank.in_flight)} micro-batches "
             f"in flight at {lowest_rank.peak_action} "
             f"({', '.join(format_bytes(b) for b in lowest_rank.retained_bytes)} "
@@ -305,3 +305,15 @@ def _fitting_schedules(
         ):
             best = (candidates, predicted)
     return best
+
+
+def _rank_breakdown(graphs: list[Any], statics: list[StageStatic], peak_bytes: int) -> dict[Component, int]:
+    """A rank's peak by component for `InfeasibleBudget`: its stages' state, the batch and buffers as
+    inputs, the rest activations (micro-batches in flight, workspace, gradients)."""
+    state = {
+        Component.PARAMETERS: sum(graph.static.parameter_bytes for graph in graphs),
+        Component.BUFFERS: sum(graph.static.buffer_bytes for graph in graphs),
+        Component.OPTIMIZER_STATE: sum(graph.static.optimizer_state_bytes for graph in graphs),
+        Component.INPUTS: sum(static.batch_bytes + static.receive_bytes for static in statics),
+    }
+    return {**state, Component.ACTIVATIONS: peak_bytes - sum(state.values())}

@@ -57,8 +57,8 @@ from planner.simulation.step import simulate
 __all__ = [
     "Action",
     "PipelineSchedule",
+    "RankPeak",
     "StageModel",
-    "StagePeak",
     "StageStatic",
     "in_flight_at_peak",
     "rank_peak",
@@ -140,19 +140,18 @@ class StageModel:
 
 
 @dataclass(frozen=True)
-class StagePeak:
+class RankPeak:
     """A rank's predicted peak over one step of its schedule, and what sets it."""
 
     peak_bytes: int
-    static_bytes: int
-    """Parameters, buffers, optimizer state, the batch and the receive buffers of every local stage."""
     retained_bytes: tuple[int, ...]
     """What one more micro-batch in flight adds, per local stage (saved activations, and its output
     where nothing else holds it)."""
     in_flight: tuple[int, ...]
     """Micro-batches in flight (forward done, backward not) per local stage at the peak."""
     peak_action: str
-    """"forward 3 of stage 1", "backward 0 of stage 0" or "optimizer step"."""
+    """"forward 3", "backward 0" or "optimizer step", with "of local stage k" where the rank holds
+    several stages (k counts the rank's own stages from 0)."""
     recompute_ms: tuple[float, ...]
     """Recompute time of one micro-batch under each local stage's plan."""
 
@@ -226,7 +225,7 @@ class _Replays:
         return backward - _state_bytes(self.model.first) + output_bytes
 
 
-def rank_peak(stages: list[StageModel], actions: list[Action], *, sends_held: bool = False) -> StagePeak:
+def rank_peak(stages: list[StageModel], actions: list[Action], *, sends_held: bool = False) -> RankPeak:
     """Predicted peak of a rank holding `stages`, over its `actions` (NOTE [stage memory]);
     `sends_held` for schedules that keep every send's work to the end of the step."""
     replays = [_Replays.of(model, sends_held) for model in stages]
@@ -241,8 +240,10 @@ def rank_peak(stages: list[StageModel], actions: list[Action], *, sends_held: bo
                 total += replay.gradient_bytes()
         flight = tuple(len(replay.in_flight | ({action.micro_batch} if i == action.stage else set()))
                        for i, replay in enumerate(replays))  # fmt: skip
-        kind = "backward" if action.backward else "forward"
-        peaks.append((total, flight, f"{kind} {action.micro_batch} of stage {action.stage}"))
+        name = f"{'backward' if action.backward else 'forward'} {action.micro_batch}"
+        if len(replays) > 1:
+            name += f" of local stage {action.stage}"
+        peaks.append((total, flight, name))
         if action.backward:
             acting.in_flight.discard(action.micro_batch)
             acting.backwards += 1
@@ -257,9 +258,8 @@ def rank_peak(stages: list[StageModel], actions: list[Action], *, sends_held: bo
     )
     peaks.append((optimizer_bytes, tuple(0 for _ in replays), "optimizer step"))
     peak_bytes, flight, name = max(peaks, key=lambda entry: entry[0])
-    return StagePeak(
+    return RankPeak(
         peak_bytes=peak_bytes,
-        static_bytes=sum(replay.base_bytes for replay in replays),
         retained_bytes=tuple(replay.retained_bytes for replay in replays),
         in_flight=flight,
         peak_action=name,

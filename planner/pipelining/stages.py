@@ -175,9 +175,12 @@ def without_examples(profiled: Profile) -> Profile:
     return dataclasses.replace(profiled, example_args=example, capture=captured)
 
 
-def _tensor_bytes(values: Any, counting: MemoryCounting) -> int:
+def _tensor_bytes(values: Any, counting: MemoryCounting, copies: int = 1) -> int:
+    """Bytes of `copies` tensors the shape of each tensor in `values`, as the schedule allocates them
+    (its receive buffers, the batch it splits): the tensor's own elements, not the storage it may be a
+    slice of (an example micro-batch cut from the batch)."""
     tensors = [value for value in values if isinstance(value, torch.Tensor)]
-    return sum(counting.of(tensor.untyped_storage().nbytes()) for tensor in tensors)
+    return sum(counting.of(copies * tensor.numel() * tensor.element_size()) for tensor in tensors)
 
 
 def stage_static(
@@ -186,14 +189,10 @@ def stage_static(
 ) -> StageStatic:  # fmt: skip
     """What stage `index`'s rank holds besides its parameters (NOTE [stage memory])."""
     last = index == len(inputs) - 1
-
-    def batch(values: Any) -> int:  # the whole batch is one tensor of n micro-batches
-        tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        return sum(counting.of(micro_batches * v.untyped_storage().nbytes()) for v in tensors)
-
-    batch_bytes = batch(inputs[0]) if index == 0 else 0
+    # the whole batch is one tensor of n micro-batches, which the schedule splits into views
+    batch_bytes = _tensor_bytes(inputs[0], counting, micro_batches) if index == 0 else 0
     if last and isinstance(target, torch.Tensor):
-        batch_bytes += batch((target,))
+        batch_bytes += _tensor_bytes((target,), counting, micro_batches)
     receive_bytes = 0
     if index > 0:
         receive_bytes += micro_batches * _tensor_bytes(inputs[index], counting)

@@ -9,9 +9,10 @@
 The flow is capture (capture/) -> activation graph (profiler/) -> solve (solvers/) -> rewrite
 (rewrite/), on the contract (ir.py) and a torch-free model of a step's memory (simulation/); a solved
 plan is explained by report/, and planning/ puts the pipeline together (`Plan`, `profile`,
-`plan_graph`), with compiled/ for `compile=True`, one_call for `optimize`, `pareto` and `measure`, and
-sizing/ for `capacity`; docs/layout.md draws the stages and what each may import. `profile` runs the
-first two stages once and keeps them (a `Profile`) for any number of solves, which is what `optimize`,
+`plan_graph`), with compiled/ for `compile=True`, one_call for `optimize`, `pareto` and `measure`,
+pipelining/ for `optimize_pipeline` (a plan per stage of a pipeline schedule) and sizing/ for
+`capacity`; docs/layout.md draws the stages and what each may import. `profile` runs the first two
+stages once and keeps them (a `Profile`) for any number of solves, which is what `optimize`,
 `pareto` and `Plan.replan` do; `measure` reports what a real training step used. The solvers, the
 simulator and `Plan` work on plain data (ir.py) and never import torch: `import planner` alone does not
 import torch either, so a service can solve a posted graph without it. `optimize`, `profile`,
@@ -38,6 +39,7 @@ from planner.planning.plan import Plan
 
 if TYPE_CHECKING:
     from planner.one_call import measure, optimize, pareto
+    from planner.pipelining import PipelinePlan, optimize_pipeline
     from planner.planning.graph import plan_graph
     from planner.planning.model import Profile, profile
     from planner.profiler.measurement import MeasuredStep
@@ -52,6 +54,7 @@ __all__ = [
     "LargerShapeWarning",
     "MeasuredStep",
     "MemoryCounting",
+    "PipelinePlan",
     "Plan",
     "PlannerError",
     "Profile",
@@ -63,6 +66,7 @@ __all__ = [
     "capacity",
     "measure",
     "optimize",
+    "optimize_pipeline",
     "pareto",
     "plan_graph",
     "profile",
@@ -72,6 +76,8 @@ _LAZY = {
     "optimize": "planner.one_call",
     "measure": "planner.one_call",
     "pareto": "planner.one_call",
+    "optimize_pipeline": "planner.pipelining",
+    "PipelinePlan": "planner.pipelining",
     "plan_graph": "planner.planning.graph",
     "profile": "planner.planning.model",
     "Profile": "planner.planning.model",

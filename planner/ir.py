@@ -565,6 +565,10 @@ class SimulationResult:
     step_ms: float
     breakdown: dict[Component, int]
     """Bytes by component at the peak."""
+    retained_bytes: int = 0
+    """Activation bytes alive between the end of the forward (and the loss) and the start of backward:
+    what one more micro-batch in flight adds under a pipeline schedule (NOTE [stage memory] in
+    simulation/pipeline.py)."""
     peak_micro_batch: str = ""
     """Which micro-batch sets a forward/backward peak, in words ("the second micro-batch's, with all
     gradients alive"); empty for a single micro-batch with gradients set to None, and after backward."""

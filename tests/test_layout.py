@@ -40,6 +40,7 @@ STAGES: dict[str, int] = {
     "planning": 7,  # the pipeline put together: Plan, plan_graph and the frontier, profile and Profile
     "compiled": 8,  # compile=True: the step torch.compile runs, planned inside inductor
     "one_call": 9,  # optimize, pareto, measure
+    "pipelining": 9,  # optimize_pipeline: a plan per pipeline stage
     "sizing": 10,  # capacity: the size search, its table, rescaled graphs, fitting and weighing
     "client": 11,  # the entry points
     "cli": 11,

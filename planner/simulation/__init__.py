@@ -7,7 +7,8 @@ running anything: `step` replays a schedule (live bytes, recompute time, the pea
 step's allocations through a model of PyTorch's caching allocator (reserved bytes, fragmentation) under the
 options of `allocator_conf` (PYTORCH_CUDA_ALLOC_CONF), and `reserved` puts the two together: a schedule's
 allocations in the simulator's order, through the allocator model, for its reserved peak and its predicted
-memory snapshot.
+memory snapshot. `pipeline` walks one stage of a pipeline schedule, its micro-batches in flight and the
+schedule's buffers, over `step`'s replays (NOTE [stage memory]).
 
 It may import planner.ir and planner.errors, and nothing else of the planner: the profiler calibrates
 against it, the solvers search with it, the report explains with it and the service runs it, so it never

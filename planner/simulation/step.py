@@ -557,6 +557,7 @@ def simulate(
     pending = LiveBytes(sizes, descending=True, log=log)
     for name in live.names:
         pending.add(name, held.get(name, -1), last)
+    retained_bytes = pending.total_bytes
     gradient_bytes = 0
     recompute_ms = sum(checkpoint_overhead_ms(graph, region) for region in schedule.regions)
     for index in range(last, -1, -1):
@@ -612,6 +613,7 @@ def simulate(
         peak_phase=timeline.peak_phase,
         peak_node=timeline.peak_node,
         recompute_ms=recompute_ms,
+        retained_bytes=retained_bytes,
         step_ms=sum(node.forward_ms + node.backward_ms for node in graph.nodes),
         breakdown=timeline.peak_breakdown,
         peak_micro_batch="" if timeline.peak_phase.after_backward else describe_micro_batch(graph.step),

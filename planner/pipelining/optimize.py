@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from planner.errors import InfeasibleBudget, format_bytes
-from planner.ir import Component, CostModel, MemoryCounting, Schedule, TrainingStep
+from planner.ir import Component, CostModel, MemoryCounting, Schedule, Sharding, TrainingStep
 from planner.pipelining.report import PipelinePlan, StageReport
 from planner.pipelining.stages import (
     StageLoss,
@@ -71,6 +71,9 @@ def optimize_pipeline(
     memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
     process_group: Any = None,
     ranks: int | None = None,
+    world_size: int = 1,
+    sharding: Sharding | str = Sharding.DDP,
+    reshard_after_forward: bool = True,
 ) -> PipelinePlan:
     """Plan every stage of a pipeline for one per-device budget: `PipelinePlan.plans[s].module` is
     stage s checkpointed, to wrap in `torch.distributed.pipelining.PipelineStage`.
@@ -85,6 +88,9 @@ def optimize_pipeline(
     receive buffers, their share of the batch and every micro-batch in flight (NOTE [stage memory]
     in simulation/pipeline.py); run the schedule with `step(..., return_outputs=False)`, or the last
     stage also holds every micro-batch's output.
+
+    Each stage may itself be data parallel over `world_size` ranks: `sharding`, `reshard_after_forward`
+    and the budget are then one rank's, as `planner.optimize` takes them (profiler/sharding.py).
 
     Node times are analytic by default and the solver is `dp`, so that every rank computes the same
     plans (NOTE [one plan on every rank]); with `process_group`, rank 0 of the group plans and
@@ -116,7 +122,8 @@ def optimize_pipeline(
         )
         profiled = profile(
             module, inputs[index], optimizer=optimizer, step=step, loss_fn=stage_loss,
-            cost_model=cost_model, device=device, memory_counting=counting,
+            cost_model=cost_model, device=device, memory_counting=counting, world_size=world_size,
+            sharding=sharding, reshard_after_forward=reshard_after_forward,
         )  # fmt: skip
         stage_loss.release()
         profiles.append(without_examples(profiled))

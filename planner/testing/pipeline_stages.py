@@ -198,8 +198,11 @@ StageWrapper = Callable[[int, nn.Module], nn.Module]
 """(stage index, stage module) -> the module its rank trains: a plan's module, or a hand policy."""
 
 
-def plan_pipeline(config: PipelineConfig, budget_bytes: int, stages: list[nn.Module] | None = None) -> Any:
-    """`planner.optimize_pipeline` for `config`'s stages (built afresh unless given) at `budget_bytes`."""
+def plan_pipeline(
+    config: PipelineConfig, budget_bytes: int, stages: list[nn.Module] | None = None, **data_parallel: Any
+) -> Any:
+    """`planner.optimize_pipeline` for `config`'s stages (built afresh unless given) at `budget_bytes`;
+    `data_parallel` are its `world_size`, `sharding` and `reshard_after_forward`."""
     from planner.pipelining import optimize_pipeline
 
     stages = build_stages(config) if stages is None else stages
@@ -213,6 +216,7 @@ def plan_pipeline(config: PipelineConfig, budget_bytes: int, stages: list[nn.Mod
         loss_fn=token_loss,
         example_target=targets[: config.micro_batch],
         ranks=config.ranks or None,
+        **data_parallel,
     )
 
 

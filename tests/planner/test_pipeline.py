@@ -189,3 +189,16 @@ def test_infeasible_stage_names_it() -> None:
     config = PipelineConfig(stages=2)
     with pytest.raises(InfeasibleBudget, match="pipeline rank 0"):
         plan_pipeline(config, 2_000_000)
+
+
+def test_data_parallel_stages_hold_their_share_of_the_state() -> None:
+    """Each stage data parallel over 2 ranks: FSDP2 splits the stage's parameters and optimizer state
+    (about half each, shards padded and Adam's step scalars whole), DDP adds its gradient buckets."""
+    config = PipelineConfig(stages=2)
+    whole = plan_pipeline(config, 2**40)
+    fsdp = plan_pipeline(config, 2**40, world_size=2, sharding="fsdp")
+    ddp = plan_pipeline(config, 2**40, world_size=2, sharding="ddp")
+    for alone, sharded, replicated in zip(whole.stages, fsdp.stages, ddp.stages, strict=True):
+        share = sharded.parameter_state_bytes / alone.parameter_state_bytes
+        assert 0.45 < share < 0.6, f"stage {alone.stage}: FSDP2 holds {share:.0%} of the state"
+        assert replicated.predicted_peak_bytes > alone.predicted_peak_bytes, f"stage {alone.stage}: buckets"

@@ -26,7 +26,6 @@ from planner.pipelining.stages import (
     schedule_of,
     stage_inputs,
     stage_static,
-    without_examples,
 )
 from planner.planning.arguments import budget_bytes_of, cost_model_of, memory_counting_of
 from planner.planning.model import Profile, profile
@@ -126,7 +125,7 @@ def optimize_pipeline(
             sharding=sharding, reshard_after_forward=reshard_after_forward,
         )  # fmt: skip
         stage_loss.release()
-        profiles.append(without_examples(profiled))
+        profiles.append(profiled.without_examples())
     statics = [
         stage_static(index, inputs, outputs, example_target, micro_batches, counting)
         for index in range(len(stages))

@@ -9,14 +9,12 @@ torch's own schedule code.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from planner.ir import CostModel, MemoryCounting
-from planner.planning.model import Profile
 from planner.profiler.cost_model import DeviceSpec
 from planner.simulation.pipeline import Action, PipelineSchedule, StageStatic, stage_actions
 
@@ -29,7 +27,6 @@ __all__ = [
     "schedule_of",
     "stage_inputs",
     "stage_static",
-    "without_examples",
 ]
 
 
@@ -164,15 +161,6 @@ class StageLoss:
 
 def _on_meta(value: Any) -> Any:
     return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
-
-
-def without_examples(profiled: Profile) -> Profile:
-    """`profiled` with its example call on the meta device (see `StageLoss`)."""
-    example = tuple(_on_meta(value) for value in profiled.example_args)
-    captured = profiled.capture
-    if captured is not None:
-        captured = dataclasses.replace(captured, inputs=tuple(_on_meta(value) for value in captured.inputs))
-    return dataclasses.replace(profiled, example_args=example, capture=captured)
 
 
 def _tensor_bytes(values: Any, counting: MemoryCounting, copies: int = 1) -> int:

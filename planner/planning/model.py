@@ -207,6 +207,20 @@ class Profile:
         planned.profile = self
         return planned
 
+    def without_examples(self) -> Profile:
+        """This profile with its example call on the meta device, for what a planned module keeps: the
+        module then holds none of the example's tensors alive while it trains on other batches (the
+        prediction at another shape needs the example's shapes, not its values)."""
+        capture = self.capture
+        if capture is not None:
+            capture = dataclasses.replace(capture, inputs=_on_meta(capture.inputs))
+        return dataclasses.replace(
+            self,
+            example_args=_on_meta(self.example_args),
+            example_kwargs=_on_meta(dict(self.example_kwargs)),
+            capture=capture,
+        )
+
     @functools.cached_property
     def collective_buffer_bytes(self) -> int:
         """Under tensor parallelism, the largest collective result of one step (probed once, by every
@@ -248,7 +262,8 @@ class Profile:
         else:
             module = rewrite(self.model, self.capture, self.graph, schedule)
         module = guard_gradients(module, self.settings.step)
-        add_forward_pre_hook(module, _LargerCallWarning(self, schedule, budget_bytes), with_kwargs=True)
+        warning = _LargerCallWarning(self.without_examples(), schedule, budget_bytes)
+        add_forward_pre_hook(module, warning, with_kwargs=True)
         return module
 
     def predicted_peak_bytes(

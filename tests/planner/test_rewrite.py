@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import torch
 from torch import nn
@@ -80,6 +82,19 @@ def test_a_planned_module_copies_when_its_example_was_moved_to_the_device() -> N
     assert plan.module is not None
     copied = copy.deepcopy(plan.module)
     assert_same_step(one_step(model, (leaf,)), one_step(copied, (leaf,)))
+
+
+def test_a_planned_module_keeps_no_example_tensor_alive() -> None:
+    """A user who keeps only `plan.module` trains it on other batches: the example batch must be freed
+    (its prediction at another shape needs the example's shapes alone), or it stays on the device
+    outside every prediction."""
+    model, inputs = build_model("gpt_tiny")
+    plan = planner.optimize(model, inputs, budget_bytes=2**40)
+    module = plan.module
+    example = weakref.ref(inputs[0])
+    del plan, inputs
+    gc.collect()
+    assert module is not None and example() is None
 
 
 def test_optimize_leaves_the_model_and_the_rng_as_they_were() -> None:

@@ -195,6 +195,19 @@ def chain_violation(
     return None
 
 
+def forward_failure(
+    module: nn.Module, inputs: Sequence[Any], *, kwargs: Mapping[str, Any] | None = None
+) -> str | None:
+    """Why a forward of `module` (a copy: its BatchNorm statistics move) raises, or None. A regrouped
+    container can break its owner's forward: `nn.TransformerEncoder` reads `self.layers[0].self_attn`."""
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            module(*fresh_inputs(inputs), **fresh_kwargs(kwargs))
+    except Exception as error:  # noqa: BLE001 - any failure means the method does not apply as built
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 class CheckpointedSequential(nn.Module):
     """An nn.Sequential run by `checkpoint_sequential`: `segments` segments, all but the last checkpointed."""
 
@@ -255,6 +268,9 @@ def sqrt_segments(
         replacement = grouped_module_list(blocks, segments)
         description = f"checkpoint_wrapper on each of the first {segments - 1} equal groups of {where}"
     module = replace_submodule(variant.module, container.path, replacement)
+    failure = forward_failure(copy.deepcopy(module), inputs, kwargs=kwargs)
+    if failure is not None:
+        return HandMethod(SQRT_SEGMENTS, None, f"{where}: regrouped, the forward fails: {failure}")
     return HandMethod(
         SQRT_SEGMENTS,
         Variant(module=module, parameters=variant.parameters, buffers=variant.buffers),

@@ -2,9 +2,10 @@
 
 Why it exists: the planner claims "fits the budget, with the least recompute". That claim holds only if
 it is measured beside what users would otherwise do, on the same machine, in the same run. Per model
-(GPT-2-, BERT- and Llama-style transformers, a ViT, ResNet-, DenseNet- and U-Net-style CNNs from
-`planner.testing.zoo_real`, and the seed models of `planner.zoo.FIDELITY_ZOO`), each in a process of its
-own so that compiled code and memory do not leak from one model into the next, it measures these rows:
+(GPT-2-, BERT- and Llama-style transformers, a ViT, ResNet-, DenseNet- and U-Net-style CNNs and a
+diffusers UNet2DModel from `planner.testing.zoo_real`, and the seed models of
+`planner.zoo.FIDELITY_ZOO`), each in a process of its own so that compiled code and memory do not leak
+from one model into the next, it measures these rows:
 
 eager
     no checkpointing; "sqrt(n) segments" (`checkpoint_sequential`), and the model's "own switch" where
@@ -125,7 +126,7 @@ log = logging.getLogger("bench.compare")
 RESULTS_DIRECTORY = Path(__file__).resolve().parent / "results"
 REPOSITORY = Path(__file__).resolve().parent.parent
 """Where the workers run `python -m bench.compare`."""
-REAL_MODELS = ("hf_gpt2", "hf_bert", "hf_llama", "hf_vit", "resnet", "densenet", "unet")
+REAL_MODELS = ("hf_gpt2", "hf_bert", "hf_llama", "hf_vit", "resnet", "densenet", "unet", "diffusers_unet")
 MODELS = (*zoo.FIDELITY_ZOO, *REAL_MODELS)
 QUICK_MODELS = ("seed000_mlp", "seed002_cifar10")
 FRACTIONS = (1.0, 0.5, 0.2, 0.0)

@@ -5,8 +5,9 @@ The hand methods are planner/testing/hand_methods.py's: `checkpoint_wrapper` (no
 outermost instance of each repeated, hook-free module type ("every <Type>"), `checkpoint_sequential`
 with sqrt(n) segments ("sqrt(n) segments") and the library's own switch ("own switch": Hugging Face's,
 diffusers', timm's). The models are planner.zoo's fidelity zoo, the real zoo (planner/testing/zoo_real.py,
-which holds zoo_dag's models and the mixture of experts that routes by value) and zoo_dag's mixture of
-experts with its routing inline (`INLINE_MOE`). Each case is one model and one method, so a failure names
+which holds zoo_dag's models and the mixture of experts that routes by value), its `LIBRARY_ZOO` (a
+diffusers UNet, whose own switch is a hand method) and zoo_dag's mixture of experts with its routing
+inline (`INLINE_MOE`). Each case is one model and one method, so a failure names
 both; each hand method is measured once, our lowest plan is made once per model, and our plan at a hand
 peak is measured once per distinct schedule (a schedule that fit a lower budget fits a higher one).
 Peaks are two real Adam steps under the live-storage tracker in 512-byte blocks; plans come from `dp`
@@ -33,11 +34,10 @@ from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulation.step import simulate
 from planner.testing.hand_methods import HandMethod, every_instance_name, hand_methods, hook_free_types
 from planner.testing.zoo_dag import InlineMoEBlock, inline_moe_call
-from planner.testing.zoo_real import HUGGING_FACE, REAL_ZOO, SEED, ExampleCall, build_call
+from planner.testing.zoo_real import LIBRARY_ZOO, REAL_ZOO, SEED, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
 from tests.planner.real_models import measured_peak_bytes
 
-HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
 INLINE_MOE = "inline_moe_transformer"
 """zoo_dag's `InlineMoETransformer`: not in the real zoo, whose every test would run it."""
 
@@ -48,21 +48,22 @@ def example_call(name: str) -> ExampleCall:
             torch.manual_seed(SEED)
             model, inputs = inline_moe_call()
         return ExampleCall(model, inputs)
-    if name in REAL_ZOO:
+    if name in REAL_ZOO or name in LIBRARY_ZOO:
         return build_call(name)
     model, inputs = build_model(name)
     return ExampleCall(model, inputs)
 
 
 def runnable(name: str) -> bool:
-    if name not in REAL_ZOO:
+    entry = REAL_ZOO.get(name) or LIBRARY_ZOO.get(name)
+    if entry is None:
         return True
-    entry = REAL_ZOO[name]
-    return entry.capture != CapturePath.MODULE and (entry.requires != HUGGING_FACE or HAS_TRANSFORMERS)
+    installed = entry.requires is None or importlib.util.find_spec(entry.requires) is not None
+    return entry.capture != CapturePath.MODULE and installed
 
 
 MODULE_LEVEL_MODELS = [name for name, entry in REAL_ZOO.items() if entry.capture == CapturePath.MODULE]
-MODELS = [name for name in (*FIDELITY_ZOO, *REAL_ZOO, INLINE_MOE) if runnable(name)]
+MODELS = [name for name in (*FIDELITY_ZOO, *REAL_ZOO, *LIBRARY_ZOO, INLINE_MOE) if runnable(name)]
 
 
 def methods_of(call: ExampleCall) -> dict[str, HandMethod]:

@@ -4,18 +4,14 @@ apply says why. Unlike `plan.module`, a hand method replays BatchNorm's forward,
 move twice per step: the benches compare peers' gradients only (`gradient_mismatch`), and so do these.
 Which of them beat the planner is tests/planner/test_every_instance.py's.
 
-The own switches are tried on a Hugging Face GPT-2 and a diffusers `UNet2DModel` built from a config
-with random weights (diffusers is in the dev extra); timm is not installed here (pyproject.toml says
+The own switches are tried on a Hugging Face GPT-2 and zoo_real's diffusers `UNet2DModel`, built from
+a config with random weights (diffusers is in the dev extra); timm is not installed here (pyproject.toml says
 why), so its `set_grad_checkpointing` is run by the benches only where timm is.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
-
-import diffusers
-import torch
 
 import planner
 from planner.testing.hand_methods import (
@@ -34,27 +30,9 @@ from planner.testing.zoo_real import build_call
 GRADIENT_RTOL = 1e-5
 
 
-def small_unet() -> tuple[torch.nn.Module, tuple[Any, ...]]:
-    """A diffusers UNet2DModel of two levels (the second with attention), 16x16 images, batch 4."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = diffusers.UNet2DModel(
-            sample_size=16,
-            in_channels=3,
-            out_channels=3,
-            layers_per_block=1,
-            block_out_channels=(16, 32),
-            down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-            up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-            norm_num_groups=8,
-            attention_head_dim=8,
-        )
-        inputs = (torch.randn(4, 3, 16, 16), torch.randint(1000, (4,)))
-    return model.train(), inputs
-
-
 def test_the_diffusers_switch_checkpoints_and_trains_as_the_model() -> None:
-    model, inputs = small_unet()
+    call = build_call("diffusers_unet")
+    model, inputs = call.model, call.args
     switch = own_switch(model)
     assert switch.variant is not None, switch.description
     assert "enable_gradient_checkpointing" in switch.description

@@ -2,14 +2,17 @@
 
 Why it exists: the planner claims "fits the budget, with the least recompute". That claim holds only if
 it is measured beside what users would otherwise do, on the same machine, in the same run. Per model
-(GPT-2-, BERT- and Llama-style transformers, a ViT, ResNet-, DenseNet- and U-Net-style CNNs from
-`planner.testing.zoo_real`, and the seed models of `planner.zoo.FIDELITY_ZOO`), each in a process of its
-own so that compiled code and memory do not leak from one model into the next, it measures these rows:
+(GPT-2-, BERT- and Llama-style transformers, a ViT, ResNet-, DenseNet- and U-Net-style CNNs and a
+diffusers UNet2DModel from `planner.testing.zoo_real`, and the seed models of
+`planner.zoo.FIDELITY_ZOO`), each in a process of its own so that compiled code and memory do not leak
+from one model into the next, it measures these rows:
 
 eager
-    no checkpointing; "sqrt(n) segments" (`checkpoint_sequential`) and "every block"
-    (`gradient_checkpointing_enable`), built by bench/peers.py; our `dp` and `ilp` plans with each
-    peer's measured peak as the budget.
+    no checkpointing; "sqrt(n) segments" (`checkpoint_sequential`), and the model's "own switch" where
+    its library has one (Hugging Face's `gradient_checkpointing_enable`, timm's
+    `set_grad_checkpointing`, diffusers' `enable_gradient_checkpointing`), else "every block"
+    (`checkpoint_wrapper` on each block): the hand methods of planner/testing/hand_methods.py; our `dp`
+    and `ilp` plans with each peer's measured peak as the budget.
 compiled (`torch.compile`, inductor)
     `torch._functorch.config.activation_memory_budget` at several fractions (1.0 is compiled no
     checkpointing); our `dp` and `ilp` plans of the compiled step (`planner.optimize(..., compile=True)`,
@@ -101,21 +104,17 @@ from bench.compare_report import (
 )
 from bench.docs_tables import refresh_quotes
 from bench.peers import (
-    EVERY_BLOCK,
-    SQRT_SEGMENTS,
     Contender,
     contender,
-    every_block_peer,
     interleaved_step_ms,
     machine,
     paired_ratio,
     planner_revision,
-    sqrt_segments_peer,
 )
 from planner import zoo
+from planner.testing.hand_methods import HandMethod, every_block, own_switch, sqrt_segments
 from planner.testing.steps import (
     StepRecord,
-    Variant,
     copied_variant,
     one_step,
     variant_of,
@@ -127,7 +126,7 @@ log = logging.getLogger("bench.compare")
 RESULTS_DIRECTORY = Path(__file__).resolve().parent / "results"
 REPOSITORY = Path(__file__).resolve().parent.parent
 """Where the workers run `python -m bench.compare`."""
-REAL_MODELS = ("hf_gpt2", "hf_bert", "hf_llama", "hf_vit", "resnet", "densenet", "unet")
+REAL_MODELS = ("hf_gpt2", "hf_bert", "hf_llama", "hf_vit", "resnet", "densenet", "unet", "diffusers_unet")
 MODELS = (*zoo.FIDELITY_ZOO, *REAL_MODELS)
 QUICK_MODELS = ("seed000_mlp", "seed002_cifar10")
 FRACTIONS = (1.0, 0.5, 0.2, 0.0)
@@ -253,12 +252,19 @@ def time_candidates(candidates: Sequence[Candidate], call: ExampleCall, settings
         ]
 
 
-def peer_candidate(name: str, built: tuple[Variant | None, str], mode: Mode) -> Candidate | Row:
+def peer_candidate(method: HandMethod, mode: Mode) -> Candidate | Row:
     """A peer to measure, or its row saying why it does not apply to this model."""
-    variant, description = built
-    if variant is None:
-        return Row(method=name, mode=mode, family=Family.PEER, not_applicable=description)
-    return Candidate(Row(method=name, mode=mode, family=Family.PEER, description=description), variant)
+    if method.variant is None:
+        return Row(method=method.name, mode=mode, family=Family.PEER, not_applicable=method.description)
+    row = Row(method=method.name, mode=mode, family=Family.PEER, description=method.description)
+    return Candidate(row, method.variant)
+
+
+def block_peer(call: ExampleCall) -> HandMethod:
+    """The model's own switch where its library has one (what its users reach for), else
+    `checkpoint_wrapper` on every block."""
+    switch = own_switch(call.model)
+    return switch if switch.variant is not None else every_block(call.model)
 
 
 def eager_rows(
@@ -270,10 +276,8 @@ def eager_rows(
         Row(method=NO_CHECKPOINTING, mode=Mode.EAGER, family=Family.BASELINE), variant_of(call.model)
     )
     built = [
-        peer_candidate(
-            SQRT_SEGMENTS, sqrt_segments_peer(call.model, call.args, kwargs=call.kwargs), Mode.EAGER
-        ),
-        peer_candidate(EVERY_BLOCK, every_block_peer(call.model), Mode.EAGER),
+        peer_candidate(sqrt_segments(call.model, call.args, kwargs=call.kwargs), Mode.EAGER),
+        peer_candidate(block_peer(call), Mode.EAGER),
     ]
     peers = [peer for peer in built if isinstance(peer, Candidate)]
     measure_candidate(none, call, reference)

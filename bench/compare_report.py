@@ -21,7 +21,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from bench.peers import EVERY_BLOCK, MIB, SQRT_SEGMENTS, fmt, median_interval, mib, yes_no
+from bench.peers import MIB, fmt, median_interval, mib, yes_no
+from planner.testing.hand_methods import EVERY_BLOCK, OWN_SWITCH, SQRT_SEGMENTS
 
 __all__ = [
     "NO_CHECKPOINTING",
@@ -514,6 +515,7 @@ ROW_STYLES = {
     Family.BASELINE: ("black", "none"),
     SQRT_SEGMENTS: ("tab:orange", "sqrt(n) segments"),
     EVERY_BLOCK: ("tab:red", "every block"),
+    OWN_SWITCH: ("tab:brown", "own switch"),
     "compile": ("tab:purple", "compile budget"),
     "dp": ("tab:blue", "ours dp"),
     "ilp": ("tab:green", "ours ilp"),

@@ -59,21 +59,18 @@ from bench.fidelity_report import (
     markdown,
 )
 from bench.peers import (
-    EVERY_BLOCK,
     GRADIENT_RTOL,
     MIB,
-    SQRT_SEGMENTS,
     contender,
-    every_block_peer,
     fmt,
     interleaved_step_ms,
     machine,
     mib,
     paired_ratio,
     planner_revision,
-    sqrt_segments_peer,
 )
 from planner import zoo
+from planner.testing.hand_methods import EVERY_BLOCK, HandMethod, every_block, sqrt_segments
 from planner.testing.steps import (
     StepRecord,
     Variant,
@@ -140,15 +137,14 @@ def time_against_peer(
 
 
 def compare_with_peer(
-    name: str,
-    built: tuple[Variant | None, str],
+    method: HandMethod,
     model: nn.Module,
     inputs: Sequence[Any],
     reference: StepRecord,
     *,
     rounds: int,
 ) -> PeerComparison:
-    peer, description = built
+    name, peer, description = method.name, method.variant, method.description
     if peer is None:
         log.info("  %s: not applicable: %s", name, description)
         return PeerComparison(peer=name, description="", not_applicable=description)
@@ -190,14 +186,14 @@ def compare_with_peer(
 
 
 def solver_ladder(
-    built: tuple[Variant | None, str],
+    method: HandMethod,
     model: nn.Module,
     inputs: Sequence[Any],
     reference: StepRecord,
     *,
     rounds: int,
 ) -> SolverLadder:
-    peer, description = built
+    peer, description = method.variant, method.description
     if peer is None:
         return SolverLadder(not_applicable=description)
     ladder = SolverLadder(budget_bytes=measured_peak_bytes(peer.module, inputs))
@@ -296,13 +292,9 @@ def benchmark_model(name: str, *, fractions: Sequence[float], rounds: int) -> Mo
     report.mid_checkpointed_regions = mid.checkpointed_regions
 
     reference_step = one_step(variant_of(model), inputs)
-    peers = (
-        (SQRT_SEGMENTS, sqrt_segments_peer(model, inputs)),
-        (EVERY_BLOCK, every_block_peer(model)),
-    )
-    for peer_name, built in peers:
-        report.peers.append(compare_with_peer(peer_name, built, model, inputs, reference_step, rounds=rounds))
-    report.ladder = solver_ladder(every_block_peer(model), model, inputs, reference_step, rounds=rounds)
+    for method in (sqrt_segments(model, inputs), every_block(model)):
+        report.peers.append(compare_with_peer(method, model, inputs, reference_step, rounds=rounds))
+    report.ladder = solver_ladder(every_block(model), model, inputs, reference_step, rounds=rounds)
     return report
 
 

@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.peers import EVERY_BLOCK, fmt, mib, yes_no
+from bench.peers import fmt, mib, yes_no
+from planner.testing.hand_methods import EVERY_BLOCK
 
 PREDICTION_TOLERANCE = 0.05
 OPTIMIZE_TARGET_S = 10.0

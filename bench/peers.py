@@ -1,12 +1,15 @@
 """What the benchmarks compare against: the checkpointing users write by hand, and fair ways to time it.
 
-Why it exists: bench/fidelity.py and bench/compare.py both set our plans beside the same two peers and
-must build, check and time them the same way, so the peers live here once:
+Why it exists: bench/fidelity.py and bench/compare.py both set our plans beside the same peers and
+must check and time them the same way. The peers themselves are the hand methods of
+planner/testing/hand_methods.py, which the tests run too:
 
 - "sqrt(n) segments": what `torch.utils.checkpoint.checkpoint_sequential` does (sqrt(n) equal segments,
   all but the last checkpointed), on the model's Sequential or ModuleList of blocks;
-- "every block": what `gradient_checkpointing_enable` does: each block under its own non-reentrant
-  checkpoint (Hugging Face's own switch on a Hugging Face model, `checkpoint_wrapper` elsewhere).
+- "every block": each child of the block container under its own non-reentrant `checkpoint_wrapper`;
+- "own switch": the library's own switch where the model has one (Hugging Face's
+  `gradient_checkpointing_enable`, timm's `set_grad_checkpointing`, diffusers'
+  `enable_gradient_checkpointing`).
 
 Each peer is built on a deep copy (a `Variant`, planner/testing/steps.py, which compares its loss,
 gradients and buffers with the unmodified model's after one step under one seed, dropout included;
@@ -27,37 +30,28 @@ which is what a verdict of "slower" is read from.
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 import os
 import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.utils.checkpoint import checkpoint_sequential
 
 from planner.profiler.measurement import default_loss
-from planner.report.blocks import longest_block_stack
-from planner.testing.steps import Variant, fresh_inputs, fresh_kwargs, variant_of
+from planner.testing.steps import fresh_inputs, fresh_kwargs
 
 __all__ = [
-    "EVERY_BLOCK",
     "GRADIENT_RTOL",
     "MIB",
-    "SQRT_SEGMENTS",
-    "BlockContainer",
     "Contender",
     "contender",
-    "every_block_peer",
-    "find_block_container",
     "fmt",
     "interleaved_step_ms",
     "median_interval",
@@ -65,7 +59,6 @@ __all__ = [
     "mib",
     "paired_ratio",
     "planner_revision",
-    "sqrt_segments_peer",
     "yes_no",
 ]
 
@@ -73,173 +66,7 @@ WARMUP_STEPS = 2
 MEDIAN_CONFIDENCE = 0.95
 """Confidence of `median_interval`, the interval step-time verdicts are read from."""
 GRADIENT_RTOL = 1e-5
-MIN_CONTAINER_CHILDREN = 3
 MIB = 2**20
-SQRT_SEGMENTS = "sqrt(n) segments"
-EVERY_BLOCK = "every block"
-NO_REENTRANT = {"use_reentrant": False}
-
-
-@dataclass(frozen=True)
-class BlockContainer:
-    """Where a model's repeated blocks live: a Sequential, a ModuleList, or the root's own children."""
-
-    path: str
-    kind: str
-    child_names: tuple[str, ...]
-
-
-def find_block_container(model: nn.Module) -> BlockContainer:
-    """The root if it is a Sequential, else the Sequential/ModuleList with most children, else the root."""
-    if isinstance(model, nn.Sequential):
-        return BlockContainer(path="", kind="Sequential", child_names=tuple(model._modules))
-    stack = longest_block_stack(model)
-    if stack is not None and len(stack[1]) >= MIN_CONTAINER_CHILDREN:
-        path, module = stack
-        return BlockContainer(path=path, kind=type(module).__name__, child_names=tuple(module._modules))
-    return BlockContainer(path="", kind="root children", child_names=tuple(model._modules))
-
-
-def replace_submodule(root: nn.Module, path: str, replacement: nn.Module) -> nn.Module:
-    """Put `replacement` at `path` in `root`; returns the root (`replacement` itself when path is '')."""
-    if not path:
-        return replacement
-    parent_path, _, leaf = path.rpartition(".")
-    setattr(root.get_submodule(parent_path), leaf, replacement)
-    return root
-
-
-def chain_violation(
-    model: nn.Module,
-    container: BlockContainer,
-    inputs: Sequence[Any],
-    *,
-    kwargs: Mapping[str, Any] | None = None,
-) -> str | None:
-    """Why the model's forward does not run the container's children as a chain x = child(x), or None.
-
-    Checked on a copy with forward hooks: each child must be called once, in order, with one positional
-    tensor that is the previous child's output. Only then can consecutive children be regrouped.
-    """
-    probe = copy.deepcopy(model)
-    parent = probe.get_submodule(container.path)
-    calls: list[tuple[str, tuple[Any, ...], Any]] = []
-
-    def recorder(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
-        def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            calls.append((name, args, output))
-
-        return hook
-
-    handles = [getattr(parent, name).register_forward_hook(recorder(name)) for name in container.child_names]
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            probe(*fresh_inputs(inputs), **fresh_kwargs(kwargs))
-    finally:
-        for handle in handles:
-            handle.remove()
-    called = tuple(name for name, _, _ in calls)
-    if called != container.child_names:
-        return f"the forward calls the blocks as {list(called)}, not once each in order"
-    for (_, _, previous_output), (name, args, _) in itertools.pairwise(calls):
-        if len(args) != 1 or args[0] is not previous_output:
-            return f"block {name!r} does not take the previous block's output alone (ops run between blocks)"
-    return None
-
-
-class CheckpointedSequential(nn.Module):
-    """An nn.Sequential run by `checkpoint_sequential`: `segments` segments, all but the last checkpointed."""
-
-    def __init__(self, sequential: nn.Sequential, segments: int) -> None:
-        super().__init__()
-        self.sequential = sequential
-        self.segments = segments
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint_sequential(self.sequential, self.segments, x, use_reentrant=False)
-
-
-def sqrt_segments(block_count: int) -> int:
-    return max(1, round(math.sqrt(block_count)))
-
-
-def grouped_module_list(blocks: nn.ModuleList, segments: int) -> nn.ModuleList:
-    """The blocks regrouped as `checkpoint_sequential` would: equal checkpointed segments, then the rest."""
-    children = list(blocks)
-    size = len(children) // segments
-    groups: list[nn.Module] = [
-        checkpoint_wrapper(
-            nn.Sequential(*children[start : start + size]), checkpoint_impl=CheckpointImpl.NO_REENTRANT
-        )
-        for start in range(0, size * (segments - 1), size)
-    ]
-    groups.append(nn.Sequential(*children[size * (segments - 1) :]))
-    return nn.ModuleList(groups)
-
-
-def sqrt_segments_peer(
-    model: nn.Module, inputs: Sequence[Any], *, kwargs: Mapping[str, Any] | None = None
-) -> tuple[Variant | None, str]:
-    """The "sqrt(n) segments" peer on a deep copy, or None and the reason it does not apply."""
-    container = find_block_container(model)
-    block_count = len(container.child_names)
-    segments = sqrt_segments(block_count)
-    where = f"{container.kind} {container.path or '<root>'} ({block_count} blocks, {segments} segments)"
-    if container.kind == "root children":
-        return None, (
-            f"{type(model).__name__} has no Sequential/ModuleList of >= {MIN_CONTAINER_CHILDREN} blocks; its "
-            f"forward calls {list(container.child_names)} by name, so grouping them needs a rewritten forward"
-        )
-    if container.kind == "ModuleList":
-        violation = chain_violation(model, container, inputs, kwargs=kwargs)
-        if violation is not None:
-            return None, f"{where}: {violation}"
-    variant = variant_of(copy.deepcopy(model))
-    blocks = variant.module.get_submodule(container.path)
-    if isinstance(blocks, nn.Sequential):
-        replacement: nn.Module = CheckpointedSequential(blocks, segments)
-        description = f"checkpoint_sequential over {where}"
-    else:
-        assert isinstance(blocks, nn.ModuleList)
-        replacement = grouped_module_list(blocks, segments)
-        description = f"checkpoint_wrapper on each of the first {segments - 1} equal groups of {where}"
-    module = replace_submodule(variant.module, container.path, replacement)
-    return Variant(module=module, parameters=variant.parameters, buffers=variant.buffers), description
-
-
-def hugging_face_peer(model: nn.Module) -> tuple[Variant, str] | None:
-    """Hugging Face's own switch on a copy of a model that supports it, else None.
-
-    transformers 5 renamed `gradient_checkpointing_enable` to `activation_checkpointing_enable` (the old
-    name still works, with a warning); either checkpoints every decoder/encoder layer.
-    """
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        return None
-    variant = variant_of(copy.deepcopy(model))
-    switch = "activation_checkpointing"
-    if not hasattr(variant.module, f"{switch}_enable"):
-        switch = "gradient_checkpointing"
-    getattr(variant.module, f"{switch}_enable")(**{f"{switch}_kwargs": NO_REENTRANT})
-    return variant, f"Hugging Face {switch}_enable(use_reentrant=False): every layer"
-
-
-def every_block_peer(model: nn.Module) -> tuple[Variant, str]:
-    """The "every block" peer: Hugging Face's switch, else each child of the block container wrapped by
-    `checkpoint_wrapper`."""
-    hugging_face = hugging_face_peer(model)
-    if hugging_face is not None:
-        return hugging_face
-    container = find_block_container(model)
-    variant = variant_of(copy.deepcopy(model))
-    parent = variant.module.get_submodule(container.path)
-    for name in container.child_names:
-        wrapped = checkpoint_wrapper(getattr(parent, name), checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-        setattr(parent, name, wrapped)
-    description = (
-        f"checkpoint_wrapper(NO_REENTRANT) on each of {len(container.child_names)} children of "
-        f"{container.kind} {container.path or '<root>'}"
-    )
-    return variant, description
 
 
 @dataclass

@@ -35,9 +35,8 @@ from typing import Any
 
 import planner
 from bench.peers import contender, interleaved_step_ms, machine, mib, paired_ratio, planner_revision
-from planner.capture.chain import has_hooks
 from planner.errors import InfeasibleBudget
-from planner.testing.zoo_dag import checkpoint_every_instance, repeated_module_types
+from planner.testing.hand_methods import checkpoint_every_instance, hook_free_types
 from planner.testing.zoo_real import REAL_ZOO, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
 
@@ -57,9 +56,7 @@ def example_call(name: str) -> ExampleCall:
 def hand_variants(call: ExampleCall) -> dict[str, Any]:
     """Per repeated, hook-free module type: the model with every instance checkpointed by hand."""
     return {
-        kind.__name__: checkpoint_every_instance(call.model, kind)
-        for kind in repeated_module_types(call.model)
-        if not any(isinstance(module, kind) and has_hooks(module) for module in call.model.modules())
+        kind.__name__: checkpoint_every_instance(call.model, kind) for kind in hook_free_types(call.model)
     }
 
 

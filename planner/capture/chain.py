@@ -227,6 +227,26 @@ def _concrete_arguments(signature: inspect.Signature, example: inspect.BoundArgu
     }
 
 
+def _is_tensor_or_proxy(value: Any) -> bool:
+    return isinstance(value, torch.Tensor | fx.Proxy)
+
+
+@contextlib.contextmanager
+def _proxies_are_tensors() -> Iterator[None]:
+    """NOTE [is_tensor under FX]: a forward that turns a number into a tensor with `if not
+    torch.is_tensor(t): t = torch.tensor([t])` (diffusers' UNets do so for the timestep) sees a Proxy,
+    not a tensor, while FX traces it, and the trace records `torch.tensor([t])` on the input tensor,
+    which fails when the graph runs. The values FX traces with Proxies are the example call's tensors
+    (its other arguments are concrete) and what operators made of them, so while tracing
+    `torch.is_tensor` answers True for a Proxy, as it would for the tensor the Proxy stands for."""
+    original = torch.is_tensor
+    torch.is_tensor = _is_tensor_or_proxy  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.is_tensor = original
+
+
 def _capture_fx(
     model: torch.nn.Module, signature: inspect.Signature, example: inspect.BoundArguments | None
 ) -> Capture:
@@ -246,7 +266,8 @@ def _capture_fx(
     while True:
         tracer = _OpaqueTracer(opaque)
         try:
-            graph = tracer.trace(model, concrete_args=concrete)
+            with _proxies_are_tensors():
+                graph = tracer.trace(model, concrete_args=concrete)
         except Exception as error:  # noqa: BLE001 - any tracing failure is a reason to try a coarser level
             failing = _failing_module(model, error)
             if failing is None or failing == "" or failing in opaque or len(opaque) >= MAX_OPAQUE_MODULES:

@@ -18,21 +18,19 @@ those shapes, small enough for a CPU test step, with activations of megabytes:
   `dag_calls` (every test of the real zoo would run it); tests/planner/test_every_instance.py checks
   every hand method on it as on the zoos' models.
 
-The hand method is what users write today: `checkpoint_wrapper` (non-reentrant) on every instance of a
-module type (`checkpoint_every_instance`), for each type that occurs at least twice
-(`repeated_module_types`). The planner's lowest peak must never be above what that measures.
+The hand methods they are judged against (`checkpoint_wrapper` on every instance of a repeated module
+type, and the others users write) are in planner/testing/hand_methods.py. The planner's lowest peak
+must never be above what any of them measures.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 __all__ = [
     "DeepUNet",
@@ -41,13 +39,9 @@ __all__ = [
     "InlineMoETransformer",
     "MoETransformer",
     "ViTWithEncoder",
-    "checkpoint_every_instance",
     "dag_calls",
     "inline_moe_call",
-    "repeated_module_types",
 ]
-
-CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 class DenseLayer(nn.Module):
@@ -350,35 +344,3 @@ def dag_calls() -> dict[str, tuple[nn.Module, tuple[Any, ...]]]:
         "vit_torch_encoder": (ViTWithEncoder(), (torch.randn(16, 3, 32, 32),)),
         "moe_transformer": (MoETransformer(), (torch.randint(512, (8, 64)),)),
     }
-
-
-def _counted_types(module: nn.Module, inside: frozenset[type], counts: dict[type, int]) -> None:
-    for child in module.children():
-        kind = type(child)
-        if kind not in inside and not isinstance(child, CONTAINERS) and any(True for _ in child.parameters()):
-            counts[kind] = counts.get(kind, 0) + 1
-        _counted_types(child, inside | {kind}, counts)
-
-
-def repeated_module_types(model: nn.Module) -> list[type]:
-    """Module classes with at least two outermost instances (one nested in another of its class does
-    not count), leaving out containers and modules without parameters (a ReLU, a Dropout)."""
-    counts: dict[type, int] = {}
-    _counted_types(model, frozenset(), counts)
-    return sorted((kind for kind, count in counts.items() if count >= 2), key=lambda kind: kind.__name__)
-
-
-def checkpoint_every_instance(model: nn.Module, module_type: type) -> nn.Module:
-    """A deep copy with every outermost instance of `module_type` under non-reentrant
-    `checkpoint_wrapper`: how users checkpoint every block by hand."""
-    copied = copy.deepcopy(model)
-    _wrap_instances(copied, module_type)
-    return copied
-
-
-def _wrap_instances(module: nn.Module, module_type: type) -> None:
-    for name, child in list(module.named_children()):
-        if isinstance(child, module_type):
-            setattr(module, name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
-        else:
-            _wrap_instances(child, module_type)

@@ -32,6 +32,7 @@ from torch import nn
 from planner.testing.zoo_dag import dag_calls
 
 __all__ = [
+    "LIBRARY_ZOO",
     "REAL_ZOO",
     "BranchingRoot",
     "DenseNet",
@@ -65,6 +66,8 @@ DAG_DESCRIPTIONS = {
 
 HUGGING_FACE = "transformers"
 """The optional package the Hugging Face entries need."""
+DIFFUSERS = "diffusers"
+"""The optional package `LIBRARY_ZOO`'s diffusers entry needs."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +215,25 @@ def _build_hf_t5_long_source() -> ExampleCall:
     source = torch.randint(config.vocab_size, (4, 128))
     target = torch.randint(config.vocab_size, (4, 16))
     return ExampleCall(hf.T5ForConditionalGeneration(config), kwargs={"input_ids": source, "labels": target})
+
+
+def _build_diffusers_unet() -> ExampleCall:
+    try:
+        diffusers = importlib.import_module(DIFFUSERS)
+    except ImportError as error:
+        raise ImportError("the diffusers entry needs `diffusers`: pip install -e '.[dev]'") from error
+    model = diffusers.UNet2DModel(
+        sample_size=16,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+        attention_head_dim=8,
+    )
+    return ExampleCall(model, (torch.randn(4, 3, 16, 16), torch.randint(1000, (4,))))
 
 
 def _dag_call(name: str) -> Callable[[], ExampleCall]:
@@ -731,10 +753,30 @@ REAL_ZOO: dict[str, RealModel] = {
 }
 
 
+LIBRARY_ZOO: dict[str, RealModel] = {
+    entry.name: entry
+    for entry in (
+        RealModel(
+            "diffusers_unet",
+            "diffusers UNet2DModel from a config: 2 levels of 16/32 channels, one ResNet block each, "
+            "attention at the second, GroupNorm of 8 groups; images (4, 3, 16, 16) and timesteps (4,).",
+            _seeded(_build_diffusers_unet),
+            capture="export",
+            requires=DIFFUSERS,
+        ),
+    )
+}
+"""Models whose library has its own checkpointing switch (beyond `REAL_ZOO`'s Hugging Face entries),
+for the hand methods' test and the side-by-side bench; not in `REAL_ZOO`, so that not every real-zoo
+test runs them. `build_call` builds them too. (timm is not installed here: pyproject.toml says why.)"""
+
+
 def build_call(name: str) -> ExampleCall:
-    """Build the entry `name`: a fresh model in train mode and its example call."""
+    """Build the entry `name` of `REAL_ZOO` or `LIBRARY_ZOO`: a fresh model in train mode and its
+    example call."""
     try:
-        entry = REAL_ZOO[name]
+        entry = REAL_ZOO.get(name) or LIBRARY_ZOO[name]
     except KeyError as error:
-        raise KeyError(f"no real-zoo model named {name!r}; valid names: {', '.join(REAL_ZOO)}") from error
+        valid = ", ".join((*REAL_ZOO, *LIBRARY_ZOO))
+        raise KeyError(f"no real-zoo model named {name!r}; valid names: {valid}") from error
     return entry.build()

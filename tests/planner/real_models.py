@@ -1,8 +1,9 @@
 """The real-model zoo's entries as test parameters, and the plan the real-model tests share.
 
-`entries` marks a Hugging Face entry skipped when `transformers` is not installed (it is in the `dev`
-extra). `plan_at_mid_budget` plans an entry with the `dp` solver halfway between its own predicted
-lowest and no-checkpointing peaks; the `mid_budget_plan` fixture (conftest.py) makes it once a session.
+`entries` marks an entry skipped when the package it needs (`transformers`, `diffusers`) is not
+installed (both are in the `dev` extra). `plan_at_mid_budget` plans an entry with the `dp` solver
+halfway between its own predicted lowest and no-checkpointing peaks; the `mid_budget_plan` fixture
+(conftest.py) makes it once a session.
 """
 
 from __future__ import annotations
@@ -16,18 +17,18 @@ import pytest
 import torch
 
 import planner
-from planner.testing.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
+from planner.testing.zoo_real import LIBRARY_ZOO, REAL_ZOO, ExampleCall, build_call
 
 PREDICTION_TOLERANCE = 0.02
 MID_BUDGET_FRACTION = 0.5
 SOLVER = "dp"
-HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
 PLANNABLE = list(REAL_ZOO)
 
 
 def needs(name: str) -> list[pytest.MarkDecorator]:
-    if REAL_ZOO[name].requires == HUGGING_FACE and not HAS_TRANSFORMERS:
-        return [pytest.mark.skip(reason="needs transformers (pip install -e '.[dev]')")]
+    requires = (REAL_ZOO.get(name) or LIBRARY_ZOO[name]).requires
+    if requires is not None and importlib.util.find_spec(requires) is None:
+        return [pytest.mark.skip(reason=f"needs {requires} (pip install -e '.[dev]')")]
     return []
 
 

@@ -4,6 +4,12 @@ not, the meta device gives the same answers, and reused captures equal fresh one
 Two zoo models: the GPT-style transformer searched by sequence length (its position buffers follow the
 sequence, so it comes from a factory), and the BatchNorm/dropout CNN searched by batch. Times are
 analytic on the "cpu" spec so that a probe is one profiling step; memory is measured as always.
+
+The edges are measured on two real-zoo models, Hugging Face GPT-2 and the ResNet, searched by batch
+with the budget set to the model's own measured peak at one batch (issue 35): the largest batch without
+checkpointing is that batch, the answer with checkpointing fits with our plan, and one more batch fits
+neither with our lowest plan nor with any hand method, all measured. At batch 6 GPT-2 measures
+9,434,624 bytes and the ResNet 9,135,104; the answers with checkpointing are 19 and 13 (2026-11-27).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from torch import nn
 import planner
 from planner.errors import format_bytes
 from planner.sizing.capacity import Capacity
+from planner.testing.hand_methods import hand_methods
+from planner.testing.zoo_real import ExampleCall, build_call
 from planner.zoo import build_model
 
 MIB = 2**20
@@ -257,3 +265,92 @@ def test_bad_arguments_say_what_to_pass() -> None:
             device="a100-40gb",
             autocast=torch.bfloat16,
         )
+
+
+@dataclass(frozen=True)
+class EdgeCase:
+    """A real-zoo model searched by batch, with the budget set to what the model itself measures at
+    `budget_batch`, so that the edge without checkpointing is known exactly."""
+
+    name: str
+    budget_batch: int
+    batches: range
+
+    def inputs(self, batch: int) -> Any:
+        """The zoo entry's example call cut or tiled to `batch` along its first dimension."""
+        call = build_call(self.name)
+        values = call.kwargs or {"args": call.args[0]}
+        cut = {
+            key: value.repeat_interleave(-(-batch // len(value)), 0)[:batch] for key, value in values.items()
+        }
+        return cut if call.kwargs else cut["args"]
+
+
+EDGE_CASES = {
+    "hugging face gpt2": EdgeCase("hf_gpt2", 6, range(1, 33)),
+    "cnn": EdgeCase("resnet", 6, range(1, 33)),
+}
+
+
+def _call_at(case: EdgeCase, batch: int) -> ExampleCall:
+    inputs = case.inputs(batch)
+    if isinstance(inputs, dict):
+        return ExampleCall(build_call(case.name).model, kwargs=inputs)
+    return ExampleCall(build_call(case.name).model, (inputs,))
+
+
+def _measured(module: nn.Module, call: ExampleCall) -> int:
+    return planner.measure(copy.deepcopy(module), call.args, example_kwargs=call.kwargs).peak_bytes
+
+
+@pytest.fixture(scope="module", params=list(EDGE_CASES))
+def edge(request: pytest.FixtureRequest) -> tuple[EdgeCase, Capacity]:
+    case = EDGE_CASES[request.param]
+    budget_bytes = _measured(build_call(case.name).model, _call_at(case, case.budget_batch))
+    table = planner.capacity(
+        build_call(case.name).model,
+        case.inputs,
+        batch=case.batches,
+        budget_bytes=budget_bytes,
+        device="cpu",
+        solver="dp",
+    )
+    return case, table
+
+
+def test_largest_without_is_what_the_model_itself_measures_at_the_edge(
+    edge: tuple[EdgeCase, Capacity],
+) -> None:
+    """Issue 35: with the budget set to the measured peak of GPT-2 at batch 6, the search answered 5, as
+    the captured module costs more than the model it came from."""
+    case, table = edge
+    assert table.largest_without == case.budget_batch, str(table)
+    model = build_call(case.name).model
+    above = _measured(model, _call_at(case, case.budget_batch + 1))
+    assert above > table.budget_bytes, f"the model measures {above} at batch {case.budget_batch + 1}\n{table}"
+
+
+def test_the_answer_fits_with_our_plan_and_one_more_fits_with_no_plan_and_no_hand_method(
+    edge: tuple[EdgeCase, Capacity],
+) -> None:
+    """Both edges measured: the plan at the largest batch fits; at one more, our lowest plan, and every
+    hand method (planner/testing/hand_methods.py), measure over the budget, as the table's refusal says."""
+    case, table = edge
+    assert table.largest_with is not None and table.largest_with < case.batches[-1], str(table)
+    fitting = _call_at(case, table.largest_with)
+    measured = _measured(table.plan().module, fitting)
+    assert measured <= table.budget_bytes, f"measured {measured}\n{table}"
+    over = _call_at(case, table.largest_with + 1)
+    lowest = planner.optimize(
+        over.model, over.args, example_kwargs=over.kwargs, budget_bytes=2**40, cost_model="analytic",
+        device="cpu", solver="dp",
+    )  # fmt: skip
+    assert lowest.min_peak_bytes > table.budget_bytes
+    at_lowest = lowest.replan(budget_bytes=lowest.min_peak_bytes, solver="dp")
+    assert _measured(at_lowest.module, over) > table.budget_bytes
+    methods = hand_methods(over.model, over.args, kwargs=over.kwargs)
+    assert len(methods) >= 2, [method.name for method in methods]
+    for method in methods:
+        assert method.variant is not None
+        hand_bytes = _measured(method.variant.module, over)
+        assert hand_bytes > table.budget_bytes, (method.name, method.description, hand_bytes, str(table))

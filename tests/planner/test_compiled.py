@@ -316,7 +316,7 @@ def test_no_compiled_peer_measures_below_the_lowest_peak_we_plan() -> None:
     each after its last reader (NOTE [early release] in simulation/step.py), and the loss and its seed
     gradient (8 bytes) were not counted."""
     from bench.compare_measurement import budget_backend
-    from bench.peers import every_block_peer
+    from planner.testing.hand_methods import every_block
 
     model, inputs = zoo.build_model("seed003_feedforward")
     lowest = plan_compiled_step(
@@ -329,7 +329,9 @@ def test_no_compiled_peer_measures_below_the_lowest_peak_we_plan() -> None:
         )
         for fraction in (0.5, 0.2, 0.0)
     }
-    peers["checkpoint_wrapper on every block"] = torch.compile(every_block_peer(model)[0].module)
+    by_hand = every_block(model).variant
+    assert by_hand is not None
+    peers["checkpoint_wrapper on every block"] = torch.compile(by_hand.module)
     with torch._dynamo.config.patch(recompile_limit=64):
         for name, peer in peers.items():
             measured = planner.measure(peer, inputs).peak_bytes

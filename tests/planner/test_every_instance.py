@@ -1,12 +1,17 @@
-"""The lowest peak the planner claims is never above checkpointing every instance of a module type by
-hand, measured; and a plan at that measured peak fits it when measured.
+"""No hand method beats the planner (issue 35): over the zoos, every hand method we can run measures at
+or above the lowest peak the planner claims, and our plan at that measured peak fits it when measured.
 
-The hand method is `checkpoint_wrapper` (non-reentrant) on every outermost instance of one module type
-(planner/testing/zoo_dag.py), for every type with at least two instances that hold parameters: blocks, layers,
-experts, and single Linear or norm layers too. Types whose instances carry hooks are left out: a replay
-runs their hooks a second time (the zoo's counting hook would count twice), so the planner does not
-checkpoint them and the hand method is not a correct peer there. Peaks are two real Adam steps under the
-live-storage tracker. Plans come from `dp` (the plan space is the same for every solver).
+The hand methods are planner/testing/hand_methods.py's: `checkpoint_wrapper` (non-reentrant) on every
+outermost instance of each repeated, hook-free module type ("every <Type>"), `checkpoint_sequential`
+with sqrt(n) segments ("sqrt(n) segments") and the library's own switch ("own switch": Hugging Face's,
+diffusers', timm's). The models are planner.zoo's fidelity zoo, the real zoo (planner/testing/zoo_real.py,
+which holds zoo_dag's models and the mixture of experts that routes by value), its `LIBRARY_ZOO` (a
+diffusers UNet, whose own switch is a hand method) and zoo_dag's mixture of experts with its routing
+inline (`INLINE_MOE`). Each case is one model and one method, so a failure names
+both; each hand method is measured once, our lowest plan is made once per model, and our plan at a hand
+peak is measured once per distinct schedule (a schedule that fit a lower budget fits a higher one).
+Peaks are two real Adam steps under the live-storage tracker in 512-byte blocks; plans come from `dp`
+(the plan space is the same for every solver).
 
 Models planned by submodules (capture "module") are checked apart: their units are whole submodules, so
 inside a unit's backward the prediction is an upper bound, and the lowest peak may sit a few bytes above
@@ -24,84 +29,116 @@ import pytest
 import torch
 
 import planner
-from planner.capture.chain import has_hooks
 from planner.capture.records import CapturePath
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.simulation.step import simulate
-from planner.testing.zoo_dag import (
-    InlineMoEBlock,
-    checkpoint_every_instance,
-    inline_moe_call,
-    repeated_module_types,
-)
-from planner.testing.zoo_real import HUGGING_FACE, REAL_ZOO, ExampleCall, build_call
+from planner.testing.hand_methods import HandMethod, every_instance_name, hand_methods, hook_free_types
+from planner.testing.zoo_dag import InlineMoEBlock, inline_moe_call
+from planner.testing.zoo_real import LIBRARY_ZOO, REAL_ZOO, SEED, ExampleCall, build_call
 from planner.zoo import FIDELITY_ZOO, build_model
 from tests.planner.real_models import measured_peak_bytes
 
-HAS_TRANSFORMERS = importlib.util.find_spec(HUGGING_FACE) is not None
+INLINE_MOE = "inline_moe_transformer"
+"""zoo_dag's `InlineMoETransformer`: not in the real zoo, whose every test would run it."""
 
 
 def example_call(name: str) -> ExampleCall:
-    if name in REAL_ZOO:
+    if name == INLINE_MOE:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            model, inputs = inline_moe_call()
+        return ExampleCall(model, inputs)
+    if name in REAL_ZOO or name in LIBRARY_ZOO:
         return build_call(name)
     model, inputs = build_model(name)
     return ExampleCall(model, inputs)
 
 
 def runnable(name: str) -> bool:
-    if name not in REAL_ZOO:
+    entry = REAL_ZOO.get(name) or LIBRARY_ZOO.get(name)
+    if entry is None:
         return True
-    entry = REAL_ZOO[name]
-    return entry.capture != CapturePath.MODULE and (entry.requires != HUGGING_FACE or HAS_TRANSFORMERS)
+    installed = entry.requires is None or importlib.util.find_spec(entry.requires) is not None
+    return entry.capture != CapturePath.MODULE and installed
 
 
 MODULE_LEVEL_MODELS = [name for name, entry in REAL_ZOO.items() if entry.capture == CapturePath.MODULE]
+MODELS = [name for name in (*FIDELITY_ZOO, *REAL_ZOO, *LIBRARY_ZOO, INLINE_MOE) if runnable(name)]
 
 
-def hook_free_types(model: torch.nn.Module) -> list[type]:
-    """Repeated module types none of whose instances carries hooks."""
-    return [
-        kind
-        for kind in repeated_module_types(model)
-        if not any(isinstance(module, kind) and has_hooks(module) for module in model.modules())
-    ]
-
-
-MODELS = [name for name in (*FIDELITY_ZOO, *REAL_ZOO) if runnable(name)]
-WITH_REPEATED_TYPES = [name for name in MODELS if hook_free_types(example_call(name).model)]
+def methods_of(call: ExampleCall) -> dict[str, HandMethod]:
+    return {method.name: method for method in hand_methods(call.model, call.args, kwargs=call.kwargs)}
 
 
 @cache
-def hand_peaks(name: str) -> dict[str, int]:
-    """Measured peak of checkpointing every instance of each repeated, hook-free module type."""
+def method_names(name: str) -> tuple[str, ...]:
+    """The hand methods that apply to the model (their copies are built again where measured)."""
+    return tuple(methods_of(example_call(name)))
+
+
+CASES = [
+    pytest.param(name, method, id=f"{name}-{method}") for name in MODELS for method in method_names(name)
+]
+
+
+@cache
+def hand_peak_bytes(name: str, method: str) -> int:
     call = example_call(name)
-    return {
-        kind.__name__: measured_peak_bytes(name, checkpoint_every_instance(call.model, kind), call)
-        for kind in hook_free_types(call.model)
-    }
+    variant = methods_of(call)[method].variant
+    assert variant is not None
+    return measured_peak_bytes(name, variant.module, call)
 
 
-def test_most_zoo_models_have_a_repeated_module_type() -> None:
-    assert len(WITH_REPEATED_TYPES) >= len(MODELS) - 4, sorted(set(MODELS) - set(WITH_REPEATED_TYPES))
-
-
-@pytest.mark.parametrize("name", WITH_REPEATED_TYPES)
-def test_lowest_peak_is_never_above_checkpointing_every_instance(name: str) -> None:
+@cache
+def lowest_plan(name: str) -> planner.Plan:
     call = example_call(name)
-    plan = planner.optimize(
+    return planner.optimize(
         call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40, solver="dp"
     )
-    for kind, peak_bytes in hand_peaks(name).items():
-        assert plan.min_peak_bytes <= peak_bytes, (
-            f"{name}: lowest peak {plan.min_peak_bytes} is above every {kind} checkpointed by hand, "
-            f"measured {peak_bytes} ({plan.capture})"
-        )
-    budget_bytes = min(hand_peaks(name).values())
-    at_hand = plan.replan(budget_bytes=budget_bytes, solver="dp")
-    measured = measured_peak_bytes(name, copy.deepcopy(at_hand.module), call)
-    assert measured <= budget_bytes, (
-        f"{name}: planned at the hand method's {budget_bytes}, measured {measured}\n{at_hand.summary()}"
+
+
+measured_plans: dict[tuple[str, tuple[Region, ...]], int] = {}
+"""Measured peak of each distinct plan (its checkpointed regions) per model."""
+
+
+def measured_plan_bytes(name: str, plan: planner.Plan) -> int:
+    key = (name, plan.schedule.checkpointed)
+    if key not in measured_plans:
+        measured_plans[key] = measured_peak_bytes(name, copy.deepcopy(plan.module), example_call(name))
+    return measured_plans[key]
+
+
+def test_every_zoo_model_has_a_hand_method() -> None:
+    assert all(method_names(name) for name in MODELS), [name for name in MODELS if not method_names(name)]
+
+
+@pytest.mark.parametrize(("name", "method"), CASES)
+def test_no_hand_method_measures_below_our_lowest_peak_and_our_plan_fits_at_its_peak(
+    name: str, method: str
+) -> None:
+    plan = lowest_plan(name)
+    peak_bytes = hand_peak_bytes(name, method)
+    assert plan.min_peak_bytes <= peak_bytes, (
+        f"{name}: lowest peak {plan.min_peak_bytes} is above {method}, measured {peak_bytes} ({plan.capture})"
     )
+    at_hand = plan.replan(budget_bytes=peak_bytes, solver="dp")
+    measured = measured_plan_bytes(name, at_hand)
+    assert measured <= peak_bytes, (
+        f"{name}: planned at {method}'s {peak_bytes}, measured {measured}\n{at_hand.summary()}"
+    )
+
+
+def test_a_block_with_its_routing_inline_is_one_opaque_node() -> None:
+    """Issue 35: a top-2 mixture of experts whose routing (`nonzero`, `index_add_`) is in the block's own
+    `forward` is one opaque node per block. Its backward frees what each operator saved as it goes, and a
+    replay of it stops at its last save; predicted as if it held every save and ran whole, its lowest
+    peak was 66,986,496 bytes, 1,322,496 above `checkpoint_wrapper` on every block (65,664,000), and
+    that budget was refused as impossible. The hand methods on it are cases of the test above."""
+    plan = lowest_plan(INLINE_MOE)
+    blocks = [node.name for node in plan.graph.nodes if node.name.startswith("blocks_")]
+    assert plan.capture.startswith(f"{CapturePath.FX.value} (opaque: blocks.0,"), plan.capture
+    assert blocks == [f"blocks_{index}" for index in range(6)], [node.name for node in plan.graph.nodes]
+    assert every_instance_name(InlineMoEBlock) in method_names(INLINE_MOE), method_names(INLINE_MOE)
 
 
 def every_unit_of(graph: ActivationGraph, kind: type) -> Schedule:
@@ -118,18 +155,16 @@ def every_unit_of(graph: ActivationGraph, kind: type) -> Schedule:
 @pytest.mark.parametrize("name", MODULE_LEVEL_MODELS)
 def test_at_the_module_level_every_unit_type_checkpointed_by_hand_is_a_plan_of_the_space(name: str) -> None:
     call = example_call(name)
-    plan = planner.optimize(
-        call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40, solver="dp"
-    )
+    plan = lowest_plan(name)
     assert plan.capture == CapturePath.MODULE
     unit_types = {node.op for node in plan.graph.nodes if node.part_of and node.checkpointable}
     checked = 0
-    for kind, measured_bytes in hand_peaks(name).items():
-        if kind not in unit_types:
+    for kind in hook_free_types(call.model):
+        measured_bytes = hand_peak_bytes(name, every_instance_name(kind))
+        if kind.__name__ not in unit_types:
             assert plan.min_peak_bytes <= measured_bytes, f"{name}: every {kind} by hand measures lower"
             continue
-        module_type = next(type(m) for m in call.model.modules() if type(m).__name__ == kind)
-        predicted_bytes = simulate(plan.graph, every_unit_of(plan.graph, module_type)).peak_bytes
+        predicted_bytes = simulate(plan.graph, every_unit_of(plan.graph, kind)).peak_bytes
         assert plan.min_peak_bytes <= predicted_bytes
         assert measured_bytes <= predicted_bytes <= 1.001 * measured_bytes, (
             kind,
@@ -138,28 +173,3 @@ def test_at_the_module_level_every_unit_type_checkpointed_by_hand_is_a_plan_of_t
         )
         checked += 1
     assert checked, f"{name}: no repeated module type is a unit"
-
-
-def test_a_block_with_its_routing_inline_is_never_above_checkpointing_every_instance() -> None:
-    """Issue 35: a top-2 mixture of experts whose routing (`nonzero`, `index_add_`) is in the block's own
-    `forward` is one opaque node per block. Its backward frees what each operator saved as it goes, and a
-    replay of it stops at its last save; predicted as if it held every save and ran whole, its lowest
-    peak was 66,986,496 bytes, 1,322,496 above `checkpoint_wrapper` on every block (65,664,000), and
-    that budget was refused as impossible. Every hand method on it is checked as on the zoos'."""
-    torch.manual_seed(0)
-    model, inputs = inline_moe_call()
-    plan = planner.optimize(copy.deepcopy(model), inputs, budget_bytes=2**40, solver="dp")
-    blocks = [node.name for node in plan.graph.nodes if node.name.startswith("blocks_")]
-    assert plan.capture.startswith(f"{CapturePath.FX.value} (opaque: blocks.0,"), plan.capture
-    assert blocks == [f"blocks_{index}" for index in range(6)], [node.name for node in plan.graph.nodes]
-    hand = {
-        kind.__name__: planner.measure(checkpoint_every_instance(model, kind), inputs).peak_bytes
-        for kind in hook_free_types(model)
-    }
-    assert InlineMoEBlock.__name__ in hand, sorted(hand)
-    for kind, peak_bytes in hand.items():
-        assert plan.min_peak_bytes <= peak_bytes, (kind, plan.min_peak_bytes, peak_bytes)
-    budget_bytes = min(hand.values())
-    at_hand = plan.replan(budget_bytes=budget_bytes, solver="dp")
-    measured = planner.measure(copy.deepcopy(at_hand.module), inputs)
-    assert measured.peak_bytes <= budget_bytes, f"measured {measured.peak_bytes}\n{at_hand.summary()}"

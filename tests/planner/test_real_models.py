@@ -23,7 +23,7 @@ from torch import nn
 import planner
 from planner.profiler.measurement import default_loss
 from planner.testing.steps import assert_same_step, one_step
-from planner.testing.zoo_real import REAL_ZOO, ExampleCall, build_call
+from planner.testing.zoo_real import LIBRARY_ZOO, REAL_ZOO, ExampleCall, build_call
 from tests.planner.real_models import (
     PLANNABLE,
     PREDICTION_TOLERANCE,
@@ -212,11 +212,12 @@ def reference_plan(name: str) -> planner.Plan:
     return planner.optimize(call.model, call.args, example_kwargs=call.kwargs, budget_bytes=2**40)
 
 
-@pytest.mark.parametrize("name", entries(PLANNABLE))
+@pytest.mark.parametrize("name", entries([*PLANNABLE, *LIBRARY_ZOO]))
 def test_the_captured_module_costs_no_more_than_the_model(name: str) -> None:
     """Without checkpointing, `plan.module` peaks at most where the user's model does, so "no
     checkpointing" in every report is the user's model (issue 35; NOTE [materialised masks] in
-    planner/capture/attention_masks.py: an exported ViT held two attention masks more)."""
+    planner/capture/attention_masks.py: an exported ViT held two attention masks more), on every model
+    of zoo_real, its library zoo (the diffusers UNet) included."""
     call = build_call(name)
     plan = reference_plan(name)
     assert not plan.regions

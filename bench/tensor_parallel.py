@@ -25,127 +25,22 @@ Writes `bench/results/tensor_parallel.json` and `bench/results/tensor_parallel.m
 from __future__ import annotations
 
 import argparse
-import copy
-import functools
 import json
-import os
-import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-
-import planner
 from bench.peers import machine, planner_revision
-from planner.profiler.measurement import _allocator_peaks, _train_step, make_optimizer
-from planner.testing.tensor_parallel import Block, LlamaConfig, LlamaStack, parallelize_megatron
-from planner.testing.zoo_dag import checkpoint_every_instance
+from planner.testing.ranks import run_ranks
+from planner.testing.tensor_parallel import BATCH, SEQUENCE, tensor_parallel_rank_step
 
 RESULTS_DIRECTORY = Path(__file__).resolve().parent / "results"
-SEED = 1234
-BATCH, SEQUENCE = 4, 64
 FRACTIONS = (0.0, 1 / 3, 2 / 3)
 """Budgets, as the fraction of the way from the lowest achievable peak to the unplanned one."""
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _loss(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
-
-
-def _gradients(module: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
-    module.zero_grad(set_to_none=True)
-    loss = _loss(tokens, module(tokens))
-    loss.backward()
-    gradients = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in module.parameters()]
-    module.zero_grad(set_to_none=True)
-    return loss.item(), [g for g in gradients if g is not None]
-
-
-def _allocator_peak_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
-    optimizer = make_optimizer("adam", list(model.parameters()))
-    loss_fn = functools.partial(_loss, tokens)
-    run = functools.partial(
-        _train_step, model, (tokens,), {}, loss_fn, optimizer, step=planner.TrainingStep(), scaler=None
-    )
-    peaks = _allocator_peaks(run, [*model.parameters()])
-    peaks.phase_bytes.pop("start", None)
-    return max(peaks.phase_bytes.values())
-
-
-def _rank(rank: int, world_size: int, ends: bool, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        torch.manual_seed(SEED)
-        base = LlamaStack(LlamaConfig())
-        tokens = torch.randint(LlamaConfig().vocabulary_size, (BATCH, SEQUENCE))
-        loss_fn = functools.partial(_loss, tokens)
-        unplanned = parallelize_megatron(copy.deepcopy(base), mesh, ends=ends)
-        expected_loss, expected = _gradients(unplanned, tokens)
-        unplanned_bytes = planner.measure(copy.deepcopy(unplanned), (tokens,), loss_fn=loss_fn).peak_bytes
-        hand = checkpoint_every_instance(unplanned, Block)
-        hand_bytes = planner.measure(hand, (tokens,), loss_fn=loss_fn).peak_bytes
-        model = parallelize_megatron(copy.deepcopy(base), mesh, ends=ends)
-        profile = planner.profile(model, (tokens,), loss_fn=loss_fn, tensor_parallel=mesh)
-        lowest = profile.plan(budget_bytes=2**40).min_peak_bytes
-        plans = []
-        for fraction in FRACTIONS:
-            budget = lowest + int(fraction * (unplanned_bytes - lowest))
-            plan = profile.plan(budget_bytes=budget)
-            assert plan.module is not None
-            loss, gradients = _gradients(plan.module, tokens)
-            measured = planner.measure(copy.deepcopy(plan.module), (tokens,), loss_fn=loss_fn)
-            plans.append(
-                {
-                    "budget_bytes": budget,
-                    "predicted_bytes": plan.predicted_peak_bytes,
-                    "measured_bytes": measured.peak_bytes,
-                    "regions": len(plan.schedule.checkpointed),
-                    "schedule": repr(plan.schedule.regions),
-                    "loss_and_gradients_equal": loss == expected_loss
-                    and all(torch.equal(a, b) for a, b in zip(gradients, expected, strict=True)),
-                }
-            )
-        row = {
-            "rank": rank,
-            "unplanned_bytes": unplanned_bytes,
-            "unplanned_allocator_bytes": _allocator_peak_bytes(copy.deepcopy(unplanned), tokens),
-            "every_block_bytes": hand_bytes,
-            "capture": profile.graph.capture,
-            "plans": plans,
-        }
-        Path(out, f"rank{rank}.json").write_text(json.dumps(row))
-    finally:
-        dist.destroy_process_group()
-
-
-def _unsplit_bytes() -> int:
-    """The unplanned step of the whole model in one process: what one device holds without TP."""
-    torch.manual_seed(SEED)
-    model = LlamaStack(LlamaConfig())
-    tokens = torch.randint(LlamaConfig().vocabulary_size, (BATCH, SEQUENCE))
-    return planner.measure(model, (tokens,), loss_fn=functools.partial(_loss, tokens)).peak_bytes
-
-
 def run_case(world_size: int, ends: bool) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(
-            _rank, args=(world_size, ends, _free_port(), out), nprocs=world_size, start_method="spawn"
-        )
-        ranks = [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(world_size)]
+    """Every rank's report (`tensor_parallel_rank_step`) for `world_size` ranks, and whether they agree."""
+    ranks = run_ranks(tensor_parallel_rank_step, world_size, world_size, FRACTIONS, ends, True)
     schedules = {tuple(plan["schedule"] for plan in row["plans"]) for row in ranks}
     return {
         "world_size": world_size,
@@ -241,7 +136,7 @@ def main() -> None:
         for world_size in arguments.world_sizes.split(",")
         for ends in (False, True)
     ]
-    unsplit_bytes = _unsplit_bytes()
+    unsplit_bytes = cases[0]["ranks"][0]["unsplit_bytes"]
     RESULTS_DIRECTORY.mkdir(exist_ok=True)
     result = {
         "machine": machine(),

@@ -17,7 +17,6 @@ import gc
 import json
 import math
 import os
-import socket
 import tempfile
 import time
 import warnings
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.profiler.counting import LiveStorageTracker
+from planner.testing.ranks import free_port
 
 __all__ = [
     "PipelineConfig",
@@ -42,7 +42,6 @@ __all__ = [
     "build_stages",
     "checkpointed_blocks",
     "example_batch",
-    "free_port",
     "gradient_difference",
     "plan_pipeline",
     "planned_stage",
@@ -239,12 +238,6 @@ def checkpointed_blocks(first_blocks: int | None, stage: int, module: nn.Module)
     for index in range(count):
         module.blocks[index] = checkpoint_wrapper(module.blocks[index])
     return module
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _schedule(config: PipelineConfig, stages: list[Any]) -> Any:

@@ -32,7 +32,6 @@ from planner.testing.pipeline_stages import (
     PipelineConfig,
     build_stages,
     example_batch,
-    free_port,
     gradient_difference,
     plan_pipeline,
     planned_stage,
@@ -40,6 +39,7 @@ from planner.testing.pipeline_stages import (
     run_pipeline,
     token_loss,
 )
+from planner.testing.ranks import free_port
 
 PREDICTION_TOLERANCE = 0.02
 """Predicted stage peak against measured, relative to measured (issue 37's done-when)."""

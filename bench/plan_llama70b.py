@@ -6,7 +6,8 @@ on the meta device as one tensor-parallel rank holds it, planned for a 1F1B sche
 `planner.optimize_pipeline` with FSDP over 8 ranks, priced by the analytic cost model for an H100, and
 each stage gets its own recompute. The script reports per-stage memory and time, planning wall time
 and this process's peak RSS (targets: under 2 minutes and 4 GiB) and writes
-`bench/results/llama70b.json` (docs/results.md quotes it).
+`bench/results/llama70b.json` and the picture `docs/pipeline_llama70b.png` (docs/results.md quotes
+both).
 
 NOTE [a tensor parallel rank on the meta device]: `parallelize_module` cannot run without a process
 group, so each stage is built as one rank of the 4-way tensor parallel group holds it (torchtitan's
@@ -170,6 +171,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=16, help="per data-parallel rank and step")
     parser.add_argument("--card", default="h100-80gb", help="a named card (planner/profiler/cost_model.py)")
     parser.add_argument("--out", default="bench/results/llama70b.json")
+    parser.add_argument("--plot", default="docs/pipeline_llama70b.png", help="empty: no picture")
     return parser.parse_args()
 
 
@@ -226,6 +228,8 @@ def main() -> int:
         "regions": [len(plan.regions) for plan in pipeline.plans],
         "predicted_step_ms": pipeline.predicted_step_ms,
     }
+    if arguments.plot:
+        pipeline.plot(arguments.plot)
     Path(arguments.out).parent.mkdir(parents=True, exist_ok=True)
     Path(arguments.out).write_text(json.dumps(result, indent=1))
     sys.stdout.write(pipeline.summary() + "\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from planner.errors import format_bytes
 from planner.planning.plan import Plan
@@ -125,6 +126,31 @@ class PipelinePlan:
                 "(or a larger budget there) would shorten the step"
             )
         return note + "."
+
+    def plot(self, path: str | Path) -> Path:
+        """Save each rank's predicted peak, stacked by what holds it, against the budget, with its
+        recompute per micro-batch (.png, .svg or .pdf; needs matplotlib)."""
+        from planner.report.plots import RankBar, plot_pipeline
+
+        bars = []
+        for rank in range(self.ranks):
+            held = [report for report in self.stages if report.rank == rank]
+            stages = ", ".join(str(report.stage) for report in held)
+            bars.append(
+                RankBar(
+                    label=f"rank {rank}\nstage{'s' if len(held) > 1 else ''} {stages}",
+                    state_bytes=sum(report.parameter_state_bytes for report in held),
+                    buffer_bytes=sum(report.buffer_bytes for report in held),
+                    in_flight_bytes=sum(report.in_flight * report.retained_bytes for report in held),
+                    peak_bytes=held[0].predicted_peak_bytes,
+                    recompute_ms=sum(report.recompute_ms for report in held),
+                )
+            )
+        title = (
+            f"{self.schedule.value}, {len(self.stages)} stages on {self.ranks} ranks, {self.micro_batches} "
+            "micro-batches (predicted)"
+        )
+        return plot_pipeline(bars, path, budget_bytes=self.budget_bytes, title=title)
 
     def to_json(self) -> str:
         """The chosen schedules and reports, what rank 0 broadcasts (NOTE [one plan on every rank])."""

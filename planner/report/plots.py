@@ -9,6 +9,7 @@ the usual baselines.
 matplotlib is imported lazily, so `import planner` stays light; install it with `pip install matplotlib`
 (it comes with the `plots` and `dev` extras). The figures are `matplotlib.figure.Figure` objects made
 without pyplot: no backend is switched, no display is needed, nothing global is left open.
+`pipeline_figure` draws each pipeline rank's predicted peak by what holds it (`PipelinePlan.plot`).
 `timeline_figure`/`pareto_figure` return them for further styling; `plot_timeline`/`plot_pareto` save
 them in the format the path's suffix names (`.png`, `.svg`, `.pdf`). Nothing here imports torch:
 a measured series is any object with `samples`, a sequence of (phase, live bytes) pairs, such as
@@ -33,10 +34,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MeasuredSeries",
+    "RankBar",
     "capacity_figure",
     "pareto_figure",
+    "pipeline_figure",
     "plot_capacity",
     "plot_pareto",
+    "plot_pipeline",
     "plot_timeline",
     "timeline_figure",
     "timeline_positions",
@@ -408,6 +412,79 @@ def plot_capacity(
     """Save `capacity_figure(points, ...)` to `path` (.png, .svg or .pdf); returns the path."""
     target = _target(path)
     return _save(capacity_figure(points, dimension=dimension, top=top, title=title), target)
+
+
+@dataclass(frozen=True)
+class RankBar:
+    """One pipeline rank's predicted peak by what holds it (bytes), and its recompute per micro-batch."""
+
+    label: str
+    state_bytes: int
+    """Parameters, gradients' shares and optimizer state of the rank's stages."""
+    buffer_bytes: int
+    """The schedule's receive buffers and the rank's share of the batch."""
+    in_flight_bytes: int
+    """What the micro-batches in flight at the peak hold (saved activations and outputs)."""
+    peak_bytes: int
+    recompute_ms: float
+
+
+PIPELINE_PARTS = (
+    ("parameters and optimizer state", "#7570b3"),
+    ("receive buffers and batch", "#e7298a"),
+    ("micro-batches in flight", "#1b9e77"),
+    ("the rest at the peak (gradients, the step's own tensors)", "#bdbdbd"),
+)
+
+
+def pipeline_figure(bars: Sequence[RankBar], *, budget_bytes: int, title: str) -> Figure:
+    """Each pipeline rank's predicted peak, stacked by what holds it, against the per-device budget, with
+    each rank's recompute per micro-batch above its bar."""
+    if not bars:
+        raise ValueError("a pipeline plot needs at least one rank, got none")
+    figure = _new_figure(7.5, 4.6)
+    axes = figure.subplots()
+    positions = list(range(len(bars)))
+    bottoms = [0.0] * len(bars)
+    gib = float(2**30)
+    for (label, colour), part in zip(PIPELINE_PARTS, _pipeline_parts(bars), strict=True):
+        heights = [value / gib for value in part]
+        axes.bar(positions, heights, 0.6, bottom=bottoms, color=colour, label=label, zorder=3)
+        bottoms = [bottom + height for bottom, height in zip(bottoms, heights, strict=True)]
+    for position, bar in zip(positions, bars, strict=True):
+        axes.annotate(
+            f"{format_bytes(bar.peak_bytes)}\nrecompute {bar.recompute_ms:.1f} ms",
+            (position, bar.peak_bytes / gib),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 2),
+            textcoords="offset points",
+        )
+    axes.axhline(budget_bytes / gib, color="#d95f02", linestyle="--", linewidth=1.2, label="budget", zorder=4)
+    axes.set_xticks(positions, [bar.label for bar in bars], fontsize=8)
+    axes.set_ylim(0, max([bar.peak_bytes for bar in bars] + [budget_bytes]) / gib * 1.5)
+    axes.set_ylabel("predicted peak per device (GiB)")
+    axes.set_title(title, fontsize=11)
+    axes.legend(fontsize=7, framealpha=0.9, loc="upper right")
+    axes.grid(axis="y", alpha=0.3, zorder=0)
+    return figure
+
+
+def _pipeline_parts(bars: Sequence[RankBar]) -> list[list[int]]:
+    """The stacked heights of `PIPELINE_PARTS`, bar by bar; the last is what the peak holds besides."""
+    parts: list[list[int]] = [[], [], [], []]
+    for bar in bars:
+        named = (bar.state_bytes, bar.buffer_bytes, bar.in_flight_bytes)
+        for part, value in zip(parts, (*named, max(0, bar.peak_bytes - sum(named))), strict=True):
+            part.append(value)
+    return parts
+
+
+def plot_pipeline(bars: Sequence[RankBar], path: str | Path, *, budget_bytes: int, title: str) -> Path:
+    """Save `pipeline_figure(bars, ...)` to `path` (.png, .svg or .pdf); returns the path."""
+    target = _target(path)
+    return _save(pipeline_figure(bars, budget_bytes=budget_bytes, title=title), target)
 
 
 def _target(path: str | Path) -> Path:

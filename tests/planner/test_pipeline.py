@@ -191,6 +191,11 @@ def test_infeasible_stage_names_it() -> None:
         plan_pipeline(config, 2_000_000)
 
 
+def test_the_plot_shows_every_rank(tmp_path: Path) -> None:
+    pipeline = plan_pipeline(PipelineConfig(stages=2), 2**40)
+    assert pipeline.plot(tmp_path / "stages.png").stat().st_size > 0
+
+
 def test_data_parallel_stages_hold_their_share_of_the_state() -> None:
     """Each stage data parallel over 2 ranks: FSDP2 splits the stage's parameters and optimizer state
     (about half each, shards padded and Adam's step scalars whole), DDP adds its gradient buckets."""

@@ -9,8 +9,10 @@ import pytest
 from planner.ir import Phase, Region, RegionPolicy, Schedule
 from planner.planning.plan import Plan
 from planner.report.plots import (
+    RankBar,
     capacity_figure,
     pareto_figure,
+    pipeline_figure,
     plot_pareto,
     plot_timeline,
     timeline_figure,
@@ -147,3 +149,25 @@ def test_capacity_figure_labels_every_bar_with_none_and_at_least() -> None:
     assert axes.get_ylabel() == "largest batch that fits (predicted)"
     with pytest.raises(ValueError, match="at least one"):
         capacity_figure([], dimension="batch", top=1, title="")
+
+
+def test_pipeline_figure_stacks_each_rank_to_its_peak_under_the_budget_line() -> None:
+    gib = 2**30
+    bars = [
+        RankBar("rank 0", 3 * gib, gib, in_flight_bytes=70 * gib, peak_bytes=76 * gib, recompute_ms=27.3),
+        RankBar("rank 1", 3 * gib, gib, in_flight_bytes=30 * gib, peak_bytes=35 * gib, recompute_ms=0.0),
+    ]
+    figure = pipeline_figure(bars, budget_bytes=78 * gib, title="1f1b")
+    axes = figure.axes[0]
+    tops = [0.0, 0.0]
+    for patch in axes.patches:  # stacked bars, one part after another
+        tops[round(patch.get_x() + patch.get_width() / 2)] = patch.get_y() + patch.get_height()
+    assert tops == [76.0, 35.0]
+    assert [text.get_text() for text in axes.texts] == [
+        "76.00 GiB\nrecompute 27.3 ms",
+        "35.00 GiB\nrecompute 0.0 ms",
+    ]
+    (budget_line,) = axes.get_lines()
+    assert list(budget_line.get_ydata()) == [78.0, 78.0]
+    with pytest.raises(ValueError, match="at least one rank"):
+        pipeline_figure([], budget_bytes=gib, title="")

@@ -39,6 +39,7 @@ from planner.simulation.allocator import AllocatorSettings
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
     from planner.planning.model import Profile
     from planner.profiler.cost_model import DeviceSpec
@@ -175,11 +176,14 @@ class PlannerClient:
         memory_counting: MemoryCounting | str = MemoryCounting.BLOCKS,
         budget_kind: BudgetKind | str | None = None,
         allocator_conf: str | None = None,
+        tensor_parallel: DeviceMesh | None = None,
     ) -> Plan:
         """`planner.optimize`, with the solve done by the service: the same arguments, checked the same
         way before profiling, and the same errors (`InfeasibleBudget` carries the service's lowest
         achievable peak). `compile=True` is refused: the compiled step is planned inside inductor's
-        partitioner, in the process that compiles (planner/compiled/optimize.py)."""
+        partitioner, in the process that compiles (planner/compiled/optimize.py). So is
+        `tensor_parallel`: the ranks of the mesh merge their graphs and take rank 0's plan by collectives
+        inside `planner.optimize` (planner/planning/tensor_parallel.py)."""
         # Imported here so that `plan_graph` works where torch is not installed.
         from planner.one_call import on_card
         from planner.planning.arguments import allocator_settings_of, budget_and_card
@@ -189,6 +193,12 @@ class PlannerClient:
         budget, card = budget_and_card(budget_gb, budget_bytes, device)
         check_solver(solver)
         allocator = allocator_settings_of(allocator_conf)
+        if tensor_parallel is not None:
+            raise ValueError(
+                "PlannerClient.optimize(..., tensor_parallel=mesh) is not supported: the ranks of the mesh "
+                "agree on one plan by collectives inside planner.optimize; call "
+                "planner.optimize(model, ..., tensor_parallel=mesh) in every rank instead"
+            )
         if compile:
             raise ValueError(
                 "PlannerClient.optimize(..., compile=True) is not supported: the compiled step is planned "

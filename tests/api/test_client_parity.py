@@ -100,6 +100,13 @@ def test_client_optimize_takes_exactly_optimizes_arguments() -> None:
     assert client_parameters == list(inspect.signature(planner.optimize).parameters.values())
 
 
+def test_the_client_refuses_tensor_parallel_planning_before_profiling() -> None:
+    client = PlannerClient("http://127.0.0.1:9")  # never reached: the refusal comes first
+    model, inputs = zoo.build_model("seed000_mlp")
+    with pytest.raises(ValueError, match="tensor_parallel=mesh.*in every rank"):
+        client.optimize(model, inputs, budget_gb=1, tensor_parallel=object())  # type: ignore[arg-type]
+
+
 def test_the_client_refuses_compiled_planning_before_profiling() -> None:
     client = PlannerClient("http://127.0.0.1:9")  # never reached: the refusal comes first
     model, inputs = zoo.build_model("seed000_mlp")

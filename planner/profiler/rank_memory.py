@@ -10,7 +10,8 @@ no collection frees, and `measure_step` must count it to measure what the per-ra
   (`free_storage`/`alloc_storage` in torch/distributed/fsdp/_fully_shard/_fsdp_param.py call
   `untyped_storage().resize_`), which no TorchDispatchMode sees. `ResizingStorageTracker` counts each
   storage at its current size, read before and after every operator, and the tensors inside a wrapper
-  subclass (a DTensor's `_local_tensor`) rather than the wrapper.
+  subclass (a DTensor's `_local_tensor`) rather than the wrapper (`local_tensors`, NOTE [wrapper
+  subclasses] in counting.py).
 - DDP allocates its gradient buckets in C++ when the model is wrapped (the `Reducer`), so no operator
   of the step creates them; `ddp_bucket_sizes` reads their sizes from the reducer, and the measurement
   counts them as resident, like the parameters, with stand-ins (`ResizingStorageTracker.hold`), as no
@@ -30,30 +31,15 @@ not counted by CUDA's caching allocator either.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from planner.ir import MemoryCounting
-from planner.profiler.counting import LiveStorageTracker, tensors_in
+from planner.profiler.counting import LiveStorageTracker, local_tensors, tensors_in
 
-__all__ = ["ResizingStorageTracker", "ddp_bucket_sizes", "is_data_parallel", "plain_tensors"]
-
-
-def plain_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """`tensors` with every wrapper subclass (a DTensor) replaced by the tensors it wraps."""
-    found: list[torch.Tensor] = []
-    for tensor in tensors:
-        wrapper: object = tensor  # typed as an object: mypy holds a Tensor cannot be a wrapper
-        if is_traceable_wrapper_subclass(wrapper):
-            inner_names, _ = wrapper.__tensor_flatten__()
-            inner = [getattr(wrapper, name) for name in inner_names]  # a DTensor also names its mesh
-            found += plain_tensors(value for value in inner if isinstance(value, torch.Tensor))
-        else:
-            found.append(tensor)
-    return found
+__all__ = ["ResizingStorageTracker", "ddp_bucket_sizes", "is_data_parallel"]
 
 
 def is_data_parallel(model: torch.nn.Module) -> bool:
@@ -114,7 +100,7 @@ class ResizingStorageTracker(LiveStorageTracker):
         self.exact_peak_bytes = max(self.exact_peak_bytes, self.exact_live_bytes)
 
     def _register(self, tensor: torch.Tensor) -> None:
-        for plain in plain_tensors([tensor]):
+        for plain in local_tensors(tensor):
             storage = plain.untyped_storage()
             key = id(storage)
             if key in self._storages:
@@ -147,11 +133,15 @@ class ResizingStorageTracker(LiveStorageTracker):
                 self._resize(key, storage.nbytes())
 
     def is_tracked(self, tensor: torch.Tensor) -> bool:
-        return all(id(plain.untyped_storage()) in self._storages for plain in plain_tensors([tensor]))
+        return all(id(plain.untyped_storage()) in self._storages for plain in local_tensors(tensor))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.refresh()
-        self._inputs = {id(plain.untyped_storage()) for plain in plain_tensors(tensors_in((args, kwargs)))}
+        self._inputs = {
+            id(plain.untyped_storage())
+            for tensor in tensors_in((args, kwargs))
+            for plain in local_tensors(tensor)
+        }
         output = func(*args, **(kwargs or {}))
         for tensor in tensors_in(output):
             self._register(tensor)

@@ -1,10 +1,11 @@
 # Two commands on a fresh machine: `make demo` (plans a seed-thread model and prints the report) and
-# `make test` (lint, types, tests). Both create the virtual environment on first use.
+# `make test` (lint, types, tests; it installs Debian's postgresql where missing). Both create the virtual
+# environment on first use.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint bench gpu-check clean
+.PHONY: demo test lint postgres bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +20,11 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check planner tests api bench
 	$(PY) -m mypy planner api
 
-test: lint
+# The job-store tests start a real PostgreSQL server (tests/api/postgres_server.py).
+postgres:
+	bash tools/install-postgres.sh
+
+test: lint postgres
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed

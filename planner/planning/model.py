@@ -74,7 +74,6 @@ from planner.planning.tensor_parallel import (
     agreed_plan,
     check_tensor_parallel,
     collective_buffer_bytes,
-    refuse_unannounced,
 )
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.interpreter import LOSS_NODE, build_activation_graph
@@ -435,7 +434,7 @@ def profile(
         tensor_parallel=tensor_parallel,
     )
     refuse_sharded_model(model)
-    _check_tensor_parallel(model, settings)
+    check_tensor_parallel(model, settings.tensor_parallel, settings.world_size)
     args = example_call(example_inputs, example_kwargs)
     kwargs = dict(example_kwargs or {})
     if settings.sharding is Sharding.FSDP and settings.cost_model is CostModel.MEASURED:
@@ -462,19 +461,6 @@ def profile(
     )
     log.info("profiled %d nodes in %.1f s", len(profiled.nodes), time.perf_counter() - started)
     return _profile_of(model, args, kwargs, captured, profiled, settings)
-
-
-def _check_tensor_parallel(model: torch.nn.Module, settings: ProfileSettings) -> None:
-    """A DTensor model is planned only with `tensor_parallel`, alone (planning/tensor_parallel.py)."""
-    if settings.tensor_parallel is None:
-        refuse_unannounced(model)
-        return
-    check_tensor_parallel(model, settings.tensor_parallel)
-    if settings.world_size != 1:
-        raise UnsupportedModel(
-            f"tensor_parallel with world_size={settings.world_size}: data parallelism on top of tensor "
-            "parallelism is not planned yet; plan one tensor parallel group (world_size=1)"
-        )
 
 
 def _profile_of(

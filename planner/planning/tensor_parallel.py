@@ -74,7 +74,6 @@ __all__ = [
     "collective_buffer_bytes",
     "dtensor_parameters",
     "merged_graph",
-    "refuse_unannounced",
     "with_collective_buffer",
 ]
 
@@ -93,7 +92,7 @@ def dtensor_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, p) for name, p in model.named_parameters() if isinstance(p, DTensor)]
 
 
-def refuse_unannounced(model: nn.Module) -> None:
+def _refuse_unannounced(model: nn.Module) -> None:
     """A model whose parameters are DTensors is planned only with `tensor_parallel=mesh`: without it each
     rank would solve alone and could choose another plan than the others (NOTE [tensor parallel plans])."""
     found = dtensor_parameters(model)
@@ -105,10 +104,14 @@ def refuse_unannounced(model: nn.Module) -> None:
         )
 
 
-def check_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+def check_tensor_parallel(model: nn.Module, mesh: DeviceMesh | None, world_size: int) -> None:
     """Refuse what `tensor_parallel=mesh` does not plan (NOTE [tensor parallel plans]), naming what to
-    do instead: a mesh that is not one-dimensional, a model with no DTensor parameter on it, and
-    layouts other than column- and row-wise Linears handing on plain tensors."""
+    do instead: a DTensor model without a mesh, a mesh that is not one-dimensional, a model with no
+    DTensor parameter on it, layouts other than column- and row-wise Linears handing on plain tensors,
+    and data parallelism (`world_size`) on top."""
+    if mesh is None:
+        _refuse_unannounced(model)
+        return
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             "tensor_parallel must be the DeviceMesh the model was parallelized over, got "
@@ -149,6 +152,11 @@ def check_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
                 + _INSTEAD
                 + ", and the loss computed on plain logits (output_layouts=Replicate())"
             )
+    if world_size != 1:
+        raise UnsupportedModel(
+            f"tensor_parallel with world_size={world_size}: data parallelism on top of tensor "
+            "parallelism is not planned yet; plan one tensor parallel group (world_size=1)"
+        )
 
 
 def _keeps_dtensor_output(module: nn.Module) -> bool:

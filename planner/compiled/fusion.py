@@ -6,7 +6,10 @@ NOTE [fusion model]: a forward or backward value is materialised (allocated as a
 graph output (a saved value, the model's output, a gradient), when the operator that makes it is not
 fusible (matmuls, convolutions: extern kernels), or when an operator that is not fusible reads it.
 Every other value is computed inside the kernel that consumes it. This is the partitioner's own notion
-(`is_materialized` in torch/_functorch/partitioners.py, over `get_default_op_list()`); inductor's
+(`is_materialized` in torch/_functorch/partitioners.py, over `get_default_op_list()`), except that an
+operator drawing random numbers that inductor does not generate itself (dropout, `rand`, `bernoulli`
+under `torch._inductor.config.fallback_random`) runs as aten's own kernel, which fuses nothing: its
+input is stored (a ViT's ReLU before dropout was predicted inlined, 1 MiB a layer low); inductor's
 scheduler may still fuse or reuse more, which tests measure against the compiled step's real peak.
 
 NOTE [addmm]: after partitioning, inductor's post-grad pass rewrites `add(mm(a, b), c)` into one
@@ -31,7 +34,17 @@ from torch._functorch.partitioners import OpTypes
 
 from planner.profiler.counting import counted_bytes
 
-__all__ = ["FusionModel", "Storages", "addmm_folds", "is_primal", "node_tensor", "target_name"]
+__all__ = [
+    "INDUCTOR_RANDOM",
+    "REPLAYABLE_RANDOM",
+    "SEEDS_NODE",
+    "FusionModel",
+    "Storages",
+    "addmm_folds",
+    "is_primal",
+    "node_tensor",
+    "target_name",
+]
 
 
 def is_primal(node: fx.Node) -> bool:
@@ -75,6 +88,14 @@ class Storages:
             self.dtypes[node.name] = tensor.dtype
             self.producer[node.name] = node
         return self.name_of_key[key]
+
+
+SEEDS_NODE = "inductor_seeds"
+REPLAYABLE_RANDOM = frozenset({"inductor_random", "inductor_lookup_seed"})
+"""Random operators that inductor computes from a saved seed: recomputing them replays the same numbers."""
+INDUCTOR_RANDOM = REPLAYABLE_RANDOM | {SEEDS_NODE}
+"""inductor's own random operators; any other that draws (`native_dropout`, `rand`, `bernoulli` under
+`fallback_random`) runs as aten's kernel."""
 
 
 REALIZE_READS = 4
@@ -141,16 +162,26 @@ class FusionModel:
         # one output of a multi-output operator (var_mean) is stored as that operator would be
         operator_node = node.args[0] if node.target is operator.getitem else node
         assert isinstance(operator_node, fx.Node)
-        if is_output or not self.op_types.is_fusible(operator_node) or _is_reduction(operator_node, node):
+        if is_output or not self._fusible(operator_node) or _is_reduction(operator_node, node):
             return True
         users = _users_through_views(node, self.op_types, part)
-        if any(
-            user.op == "output" or user in self.addmm or not self.op_types.is_fusible(user) for user in users
-        ):
+        if any(user.op == "output" or user in self.addmm or not self._fusible(user) for user in users):
             return True
         if len(set(node.users)) > 1 and (ops & HEAVY_OPS or len(reads) > REALIZE_READS):
             return True
         return len(reads) > REALIZE_ACCUMULATED_READS
+
+    def _fusible(self, node: fx.Node) -> bool:
+        if target_name(node) in REPLAYABLE_RANDOM:
+            return True  # generated inside the kernel that reads it
+        return self.op_types.is_fusible(node) and not _fallback_random(node)
+
+
+def _fallback_random(node: fx.Node) -> bool:
+    """Whether `node` draws random numbers in an aten kernel of its own (NOTE [fusion model])."""
+    target = node.target
+    seeded = isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    return seeded and target_name(node) not in INDUCTOR_RANDOM
 
 
 def addmm_folds(nodes: Sequence[fx.Node]) -> dict[fx.Node, fx.Node]:

@@ -36,7 +36,7 @@ import torch
 from torch import fx
 from torch._functorch.partitioners import OpTypes
 
-from planner.compiled.fusion import node_tensor, target_name
+from planner.compiled.fusion import REPLAYABLE_RANDOM, SEEDS_NODE, node_tensor, target_name
 
 __all__ = [
     "SEEDS_NODE",
@@ -51,9 +51,6 @@ __all__ = [
 ]
 
 
-SEEDS_NODE = "inductor_seeds"
-REPLAYABLE_RANDOM = {"inductor_random", "inductor_lookup_seed"}
-"""Random operators that inductor computes from a saved seed: recomputing them replays the same numbers."""
 FREE_CONSTANT_OPS = frozenset(
     {"full", "scalar_tensor", "iota", "clone", "convert_element_type", "_to_copy", "copy"}
     | {"constant_pad_nd", "cat", "empty", "zeros", "ones", "new_empty", "new_zeros", "new_ones"}
@@ -85,7 +82,7 @@ def random_draws(forward: Sequence[fx.Node], op_types: OpTypes) -> list[fx.Node]
                 continue
             draw.add(source)
             pending += source.all_input_nodes
-        if all(source.op == "placeholder" or source in draw for n in draw for source in n.all_input_nodes):
+        if not any(source.op == "placeholder" for member in draw for source in member.all_input_nodes):
             found |= draw
     return [node for node in forward if node in found]
 
@@ -162,8 +159,8 @@ def operator_groups(forward: Sequence[fx.Node], front: Sequence[fx.Node]) -> lis
 
 def hoisted_operators(forward: Sequence[fx.Node], default_saved: Iterable[fx.Node]) -> list[fx.Node]:
     """Backward operators that do not depend on the gradient (a transpose of a saved value, a LayerNorm
-    backward's scale), which the partition computes at the end of the forward and saves, with the
-    gradient-free operators they need, in graph order."""
+    backward's scale), which the partition computes in the forward and saves, with the gradient-free
+    operators they need, in graph order (NOTE [hoisted operators] in optimize.py)."""
     required = set(forward)
     found: set[fx.Node] = set()
     pending = [node for node in default_saved if node.op == "call_function" and node not in required]

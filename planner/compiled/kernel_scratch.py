@@ -4,12 +4,15 @@ Why it exists: the joint graph of a compiled step shows each operator's inputs a
 fusion model (fusion.py) decides which of them become buffers. An extern kernel also allocates
 inside the call what no graph value shows: mkldnn's convolution reorders its weight, and its backward
 copies the gradient and input into the layout it computes in. A ResNet plan predicted at 8.43 MiB
-measured 8.81: three 144 KiB buffers inside one `convolution_backward` set the step's peak.
+measured 8.81: three 144 KiB buffers inside one `convolution_backward` set the step's peak. Dropout
+under `torch._inductor.config.fallback_random` runs aten's `native_dropout`, which draws a float mask
+as large as its input before it returns the boolean one.
 
 NOTE [kernel scratch]: the planner runs each such operator once, outside the compile's fake tensor
 mode, on tensors of the shapes, strides and dtype the joint graph gives it and in the layout inductor
 runs it in (channels-last for a 4-d tensor where inductor's layout optimisation is on: NOTE [layout
-copies] in joint_graph.py), filled with ones (no random numbers are drawn), and counts the bytes
+copies] in joint_graph.py), filled with ones (the RNG state is restored after a random operator
+draws), and counts the bytes
 the call held above its outputs at its peak: on the CPU from the profiler's allocator events (not
 while a profiler of the caller's runs: a second one would end it), on CUDA from the allocator's peak
 statistic. The figure is a measurement of this machine's kernels, as the
@@ -39,6 +42,7 @@ log = logging.getLogger(__name__)
 
 SCRATCH_OPERATORS = frozenset(
     {torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
+    | {torch.ops.aten.native_dropout.default}
 )
 """Extern operators whose calls allocate scratch memory (NOTE [kernel scratch])."""
 
@@ -109,7 +113,8 @@ def _measured_scratch_bytes(
     target: Callable[..., Any], signature: tuple[Any, ...], counting: MemoryCounting
 ) -> int:
     device = next(torch.device(spec[3]) for spec in signature if _is_tensor_spec(spec))
-    with torch.no_grad(), _disable_current_modes():
+    forked = [device] if device.type == "cuda" else []
+    with torch.no_grad(), _disable_current_modes(), torch.random.fork_rng(forked, device_type=device.type):
         args = [_ones(spec) if _is_tensor_spec(spec) else _as_argument(spec) for spec in signature]
         if device.type == "cuda":
             return _cuda_scratch_bytes(target, args, device, counting)

@@ -90,6 +90,7 @@ from bench.compare_plans import (
     optimize_at,
     our_candidates,
 )
+from bench.compare_plot import plot
 from bench.compare_report import (
     NO_CHECKPOINTING,
     Family,
@@ -99,7 +100,6 @@ from bench.compare_report import (
     TrackerCheck,
     label,
     markdown,
-    plot,
     result_from_dict,
 )
 from bench.docs_tables import refresh_quotes

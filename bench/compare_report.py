@@ -1,4 +1,4 @@
-"""What bench/compare.py measured, as tables, verdicts and a plot: pure functions of its result records.
+"""What bench/compare.py measured, as tables and verdicts: pure functions of its result records.
 
 Why it exists: the benchmark runs for many minutes and asserts nothing, so what it claims lives in how
 its records are judged and shown. Keeping the records (`Row`, `ModelResult`) and their rendering apart
@@ -18,11 +18,10 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
-from bench.peers import MIB, fmt, median_interval, mib, yes_no
-from planner.testing.hand_methods import EVERY_BLOCK, OWN_SWITCH, SQRT_SEGMENTS
+from bench.peers import fmt, median_interval, mib, yes_no
+from bench.prediction_verdicts import verdict
 
 __all__ = [
     "NO_CHECKPOINTING",
@@ -37,7 +36,6 @@ __all__ = [
     "markdown",
     "matches_peer",
     "misses",
-    "plot",
     "result_from_dict",
     "summary_table",
     "tally",
@@ -48,8 +46,6 @@ __all__ = [
 NO_CHECKPOINTING = "no checkpointing"
 SOLVERS = ("dp", "ilp")
 """Our solvers, one row each per peer."""
-MIN_PEAK_SPAN = 0.02
-"""A panel's peak axis spans at least this fraction of its value."""
 REASON_CHARACTERS = 160
 """Characters of a "not applicable" or error reason shown in a table (the JSON has all of it)."""
 
@@ -314,6 +310,28 @@ def misses(results: Sequence[ModelResult]) -> list[str]:
     return lines or ["- none"]
 
 
+def predictions(results: Sequence[ModelResult]) -> list[str]:
+    """Per mode, how our rows' predicted peaks compare with their measurements; every miss named."""
+    lines = ["| mode | our rows measured | within 2 % | upper bound | low |", "|---|---|---|---|---|"]
+    missed: list[str] = []
+    for mode in Mode:
+        ours = [
+            (result.name, row)
+            for result in results
+            for row in result.rows
+            if row.mode is mode and row.family is Family.OURS and row.peak_bytes and row.predicted_peak_bytes
+        ]
+        verdicts = [(name, row, verdict(row.predicted_peak_bytes, row.peak_bytes)) for name, row in ours]
+        counts = [
+            sum(text.startswith(kind) for *_, text in verdicts) for kind in ("within", "upper", "**low")
+        ]
+        lines.append(f"| {mode} | {len(ours)} | {counts[0]} | {counts[1]} | {counts[2]} |")
+        missed += [
+            f"- {name}, {label(row)}: {text}" for name, row, text in verdicts if not text.startswith("within")
+        ]
+    return [*lines, "", *missed]
+
+
 def tracker_table(results: Sequence[ModelResult]) -> list[str]:
     lines = [
         "| model | eager: tracker MiB | eager: allocator MiB | compiled: allocator MiB | "
@@ -489,6 +507,15 @@ def markdown(results: Sequence[ModelResult], context: dict[str, Any]) -> str:
         *tally_table(results),
         "",
     ]
+    sections += [
+        "## Our predicted peaks against their measurements",
+        "",
+        "Each of our rows: the planner's predicted peak against the row's measured peak in its mode's "
+        "currency (bench/prediction_verdicts.py).",
+        "",
+        *predictions(results),
+        "",
+    ]
     for mode in Mode:
         sections += [
             f"## {device}, {mode}: peaks are {peak_source(device, mode)}",
@@ -509,69 +536,3 @@ def markdown(results: Sequence[ModelResult], context: dict[str, Any]) -> str:
             "",
         ]
     return "\n".join(header + sections + footer)
-
-
-ROW_STYLES = {
-    Family.BASELINE: ("black", "none"),
-    SQRT_SEGMENTS: ("tab:orange", "sqrt(n) segments"),
-    EVERY_BLOCK: ("tab:red", "every block"),
-    OWN_SWITCH: ("tab:brown", "own switch"),
-    "compile": ("tab:purple", "compile budget"),
-    "dp": ("tab:blue", "ours dp"),
-    "ilp": ("tab:green", "ours ilp"),
-}
-
-
-def row_style(row: Row) -> tuple[str, str]:
-    if row.family is Family.BASELINE:
-        return ROW_STYLES[Family.BASELINE]
-    if row.family is Family.OURS:
-        return ROW_STYLES[row.solver or "dp"]
-    return ROW_STYLES[row.method] if row.method in ROW_STYLES else ROW_STYLES["compile"]
-
-
-def plot(results: Sequence[ModelResult], path: Path, *, title: str) -> None:
-    """Measured peak against step-time ratio, one panel per model; circles eager, triangles compiled."""
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-
-    shown = [result for result in results if result.rows]
-    columns = min(4, max(1, len(shown)))
-    lines_of_panels = -(-len(shown) // columns)
-    figure = Figure(figsize=(4.2 * columns, 3.4 * lines_of_panels + 0.8), layout="constrained")
-    axes = figure.subplots(lines_of_panels, columns, squeeze=False)
-    for axis, result in zip(axes.flat, shown, strict=False):
-        for row in result.rows:
-            if row.peak_bytes is None or row.time_ratio_vs_none is None:
-                continue
-            colour, _ = row_style(row)
-            marker = "o" if row.mode is Mode.EAGER else "^"
-            # ours hollow and larger, so that a peer or baseline at the same point stays visible
-            face = "none" if row.family is Family.OURS else colour
-            size = 70 if row.family is Family.OURS else 30
-            axis.scatter(
-                row.time_ratio_vs_none, row.peak_bytes / MIB, marker=marker, s=size, facecolors=face,
-                edgecolors=colour, linewidths=1.4,
-            )  # fmt: skip
-        axis.set_title(result.name, fontsize=10)
-        axis.set_xlabel("step time / no checkpointing", fontsize=8)
-        axis.set_ylabel("measured peak (MiB)", fontsize=8)
-        axis.tick_params(labelsize=7)
-        axis.ticklabel_format(axis="y", useOffset=False, style="plain")
-        low, high = axis.get_ylim()
-        if high - low < MIN_PEAK_SPAN * high:  # every row at one peak: show it as a flat line, not noise
-            axis.set_ylim(low * (1 - MIN_PEAK_SPAN), high * (1 + MIN_PEAK_SPAN))
-        axis.grid(alpha=0.3)
-    for axis in list(axes.flat)[len(shown) :]:
-        axis.set_visible(False)
-    handles = [
-        Line2D([], [], color=colour, marker="s", linestyle="", label=name)
-        for colour, name in ROW_STYLES.values()
-    ]
-    handles += [
-        Line2D([], [], color="grey", marker="o", linestyle="", label="eager"),
-        Line2D([], [], color="grey", marker="^", linestyle="", label="compiled"),
-    ]
-    figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
-    figure.suptitle(title, fontsize=11)
-    figure.savefig(path, dpi=110)

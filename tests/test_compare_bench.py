@@ -1,5 +1,5 @@
-"""bench/compare.py's verdicts and tables (bench/compare_report.py) and its compiled-step measurement
-(bench/compare_measurement.py).
+"""bench/compare.py's verdicts and tables (bench/compare_report.py), its compiled-step measurement
+(bench/compare_measurement.py), and the prediction verdicts it shares with bench/compiled_check.py.
 
 The benchmark itself runs for minutes and asserts nothing; these check what its tables say (the
 done-when verdict of each of our rows, the list of misses, the JSON round trip) and that the
@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 import planner
-from bench import compare, peers
+from bench import compare, compiled_check, peers
 from bench import compare_measurement as measurement
 from bench import compare_report as report
+from bench import prediction_verdicts as verdicts
 from planner.testing.steps import one_step
 from planner.testing.zoo_real import ExampleCall
 
@@ -216,3 +217,39 @@ def test_compiled_steps_run_compiled_code_and_match_the_eager_gradients() -> Non
     assert least.row.kept_after_forward_bytes < none.row.kept_after_forward_bytes, (
         "activation_memory_budget=0 keeps less for backward than the default partition"
     )
+
+
+def test_our_predicted_peaks_are_judged_within_2_percent_an_upper_bound_or_low() -> None:
+    assert verdicts.verdict(102, 100) == "within 2%"
+    assert verdicts.verdict(110, 100) == "upper bound (+10.0%)"
+    assert verdicts.verdict(97, 100) == "**low** (-3.0%)"
+    assert verdicts.verdict(None, 100) == "—"
+    result = fake_result()
+    result.rows[2].predicted_peak_bytes = 29 * MIB  # dp measured 29 MiB: right
+    result.rows[3].predicted_peak_bytes = 29 * MIB  # ilp measured 31 MiB: low
+    section = report.markdown([result], context()).split("## Our predicted peaks")[1].split("\n## ")[0]
+    assert "| eager | 2 | 1 | 0 | 1 |" in section, section
+    assert "- tiny, ours ilp @ every block: **low** (-6.5%)" in section, section
+    assert "ours dp" not in section, section
+
+
+def test_the_compiled_check_marks_a_refused_budget_false_only_where_torch_compile_fitted_it() -> None:
+    row = compiled_check.CheckRow
+    rows = [
+        row("vit", False, "predicted range 0.5", 100 * MIB, 100 * MIB, 100 * MIB, 1, 3),
+        row("vit", False, "predicted range 0", 90 * MIB, 90 * MIB, 95 * MIB, infeasible="no plan fits"),
+        row("vit", True, "torch.compile budget 0", 94 * MIB, 90 * MIB, 95 * MIB, infeasible="no plan fits"),
+        row("vit", True, "predicted range 1", 120 * MIB, 126 * MIB, 120 * MIB, 1, 0),
+    ]
+    verdict_of = [compiled_check.row_verdict(entry) for entry in rows]
+    assert verdict_of == [
+        "within 2%",
+        "refused; predicted lowest **low** (-5.3%)",
+        "**refused as impossible, but torch.compile fits**",
+        "upper bound (+5.0%)",
+    ]
+    table = compiled_check.markdown(rows, {**context(), "revision": {"commit": "0123456789"}})
+    assert (
+        "| vit | False | predicted range 0.5 | 100.00 | 100.00 | 100.00 | +0.00% | within 2% | 1 |" in table
+    )
+    assert "1 of 4 rows within 2 %, 1 upper bounds, 2 low or falsely refused" in table, table

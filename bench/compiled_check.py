@@ -46,6 +46,7 @@ from planner.ir import TrainingStep
 from planner.profiler.measurement import default_loss
 from planner.testing.compiled_models import COMPILED_CHECK_MODELS
 from planner.testing.steps import variant_of
+from planner.testing.zoo_real import ExampleCall
 
 log = logging.getLogger("bench.compiled_check")
 
@@ -54,6 +55,12 @@ FRACTIONS = (0.0, 0.1, 0.5, 1.0)
 """Budgets at lowest + f x (no checkpointing - lowest), both predicted."""
 PEER_BUDGETS = (1.0, 0.5, 0.0)
 """`activation_memory_budget` values whose measured compiled peak is also a budget of ours."""
+NO_CHECKPOINTING = 1.0
+"""torch.compile's default partition, whose gradients each peer's are compared with (same seed)."""
+SEED = 1234
+GRADIENT_RTOL = 1e-4
+"""A peer's gradients differ from torch.compile's without checkpointing by more than this (relative
+norm over the model) when it draws other dropout masks: `fallback_random` with a budget below 1.0."""
 
 
 @dataclass
@@ -71,12 +78,18 @@ class CheckRow:
     infeasible: str | None = None
     """`InfeasibleBudget`'s message where optimize refused the budget; the row's predicted and
     measured peaks are then the predicted lowest and the lowest a compilation measured."""
+    peer_gradient_error: float | None = None
+    """For a budget set by torch.compile: its gradients against torch.compile's without checkpointing."""
 
 
 def row_verdict(row: CheckRow) -> str:
     """`verdict` of the predicted peak; for a refused budget, of the predicted lowest peak against the
     lowest a compilation measured, and false where torch.compile fitted that budget."""
-    if row.infeasible is not None and row.budget.startswith("torch.compile"):
+    if row.infeasible is not None and row.peer_gradient_error is not None:
+        if row.peer_gradient_error > GRADIENT_RTOL:
+            return (
+                f"refused; torch.compile fits it with wrong gradients (error {row.peer_gradient_error:.1e})"
+            )
         return "**refused as impossible, but torch.compile fits**"
     judged = verdict(row.predicted_peak_bytes, row.measured_peak_bytes)
     return f"refused; predicted lowest {judged}" if row.infeasible is not None else judged
@@ -105,10 +118,21 @@ def _planned_row(
     return row
 
 
-def _peer_peak_bytes(model: str, fraction: float, **sizes: Any) -> int:
-    """The measured peak of `torch.compile` at `activation_memory_budget=fraction`."""
+def _step_gradients(module: torch.nn.Module, call: ExampleCall) -> torch.Tensor:
+    """The gradients of one step of `module` (which computes `call.model`) under `SEED`, flattened."""
+    torch.manual_seed(SEED)
+    loss = default_loss(module(*call.args, **call.kwargs))
+    return torch.cat(
+        [gradient.flatten() for gradient in torch.autograd.grad(loss, list(call.model.parameters()))]
+    )
+
+
+def _peer(model: str, fraction: float, **sizes: Any) -> tuple[int, torch.Tensor]:
+    """`torch.compile` at `activation_memory_budget=fraction`: its measured peak and one step's gradients."""
     call = COMPILED_CHECK_MODELS[model](**sizes)
-    return allocator_step_memory(compiled(variant_of(call.model), fraction).module, call).peak_bytes
+    module = compiled(variant_of(call.model), fraction).module
+    gradients = _step_gradients(module, call)
+    return allocator_step_memory(module, call).peak_bytes, gradients
 
 
 def check_model(model: str, fallback_random: bool, **sizes: Any) -> list[CheckRow]:
@@ -121,13 +145,18 @@ def check_model(model: str, fallback_random: bool, **sizes: Any) -> list[CheckRo
         )  # fmt: skip
         lowest, baseline = reference.min_peak_bytes, reference.baseline_peak_bytes
         budgets = [(f"predicted range {f:g}", int(lowest + f * (baseline - lowest))) for f in FRACTIONS]
-        budgets += [
-            (f"torch.compile budget {f:g}", _peer_peak_bytes(model, f, **sizes)) for f in PEER_BUDGETS
-        ]
+        peers = {fraction: _peer(model, fraction, **sizes) for fraction in PEER_BUDGETS}
+        reference = peers[NO_CHECKPOINTING][1]
+        errors: dict[str, float | None] = {label: None for label, _ in budgets}
+        for fraction, (peak_bytes, gradients) in peers.items():
+            label = f"torch.compile budget {fraction:g}"
+            budgets.append((label, peak_bytes))
+            errors[label] = ((gradients - reference).norm() / reference.norm()).item()
         rows = []
         for label, budget_bytes in budgets:
             started = time.perf_counter()
             rows.append(_planned_row(model, fallback_random, label, budget_bytes, lowest, **sizes))
+            rows[-1].peer_gradient_error = errors[label]
             log.info("%s (fallback_random=%s) %s: %s in %.0f s", model, fallback_random, label,
                      row_verdict(rows[-1]), time.perf_counter() - started)  # fmt: skip
         return rows

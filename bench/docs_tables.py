@@ -42,6 +42,7 @@ class Quote:
 
 
 SOLVERS_RESULTS = "bench/results/solvers.md"
+COMPILED_CHECK_RESULTS = "bench/results/compiled_check.md"
 TENSOR_PARALLEL_RESULTS = "bench/results/tensor_parallel.md"
 QUOTES = (
     Quote("coverage", "docs/coverage.md", "bench/results/coverage.md", "| model | precision |"),
@@ -50,6 +51,7 @@ QUOTES = (
     Quote("compare-summary", "docs/benchmark.md", "bench/results/compare.md", "| model | mode | peer |"),
     Quote("compare-tally", "docs/benchmark.md", "bench/results/compare.md", "| mode | solver |"),
     Quote("compile-time", "docs/compiled.md", "bench/results/compile_time.md", "| model | torch.compile s |"),
+    Quote("compiled-check", "docs/compiled.md", COMPILED_CHECK_RESULTS, "| model | fallback_random |"),
     Quote("tensor-parallel", "docs/usage.md", TENSOR_PARALLEL_RESULTS, "| ranks | split | unplanned |"),
 )
 

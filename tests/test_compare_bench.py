@@ -233,23 +233,30 @@ def test_our_predicted_peaks_are_judged_within_2_percent_an_upper_bound_or_low()
     assert "ours dp" not in section, section
 
 
-def test_the_compiled_check_marks_a_refused_budget_false_only_where_torch_compile_fitted_it() -> None:
+def test_the_compiled_check_calls_a_refusal_false_only_where_torch_compile_fits_with_its_gradients() -> None:
     row = compiled_check.CheckRow
+    refused, right, wrong = (
+        {"infeasible": "no plan fits"},
+        {"peer_gradient_error": 0.0},
+        {"peer_gradient_error": 0.3},
+    )
     rows = [
         row("vit", False, "predicted range 0.5", 100 * MIB, 100 * MIB, 100 * MIB, 1, 3),
-        row("vit", False, "predicted range 0", 90 * MIB, 90 * MIB, 95 * MIB, infeasible="no plan fits"),
-        row("vit", True, "torch.compile budget 0", 94 * MIB, 90 * MIB, 95 * MIB, infeasible="no plan fits"),
+        row("vit", False, "predicted range 0", 90 * MIB, 90 * MIB, 95 * MIB, **refused),
+        row("vit", True, "torch.compile budget 0", 94 * MIB, 90 * MIB, 95 * MIB, **refused, **right),
+        row("vit", True, "torch.compile budget 0.5", 93 * MIB, 90 * MIB, 95 * MIB, **refused, **wrong),
         row("vit", True, "predicted range 1", 120 * MIB, 126 * MIB, 120 * MIB, 1, 0),
-    ]
+    ]  # fmt: skip
     verdict_of = [compiled_check.row_verdict(entry) for entry in rows]
     assert verdict_of == [
         "within 2%",
         "refused; predicted lowest **low** (-5.3%)",
         "**refused as impossible, but torch.compile fits**",
+        "refused; torch.compile fits it with wrong gradients (error 3.0e-01)",
         "upper bound (+5.0%)",
     ]
     table = compiled_check.markdown(rows, {**context(), "revision": {"commit": "0123456789"}})
     assert (
         "| vit | False | predicted range 0.5 | 100.00 | 100.00 | 100.00 | +0.00% | within 2% | 1 |" in table
     )
-    assert "1 of 4 rows within 2 %, 1 upper bounds, 2 low or falsely refused" in table, table
+    assert "1 of 5 rows within 2 %, 1 upper bounds, 2 low or falsely refused" in table, table

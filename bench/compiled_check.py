@@ -78,6 +78,8 @@ class CheckRow:
     infeasible: str | None = None
     """`InfeasibleBudget`'s message where optimize refused the budget; the row's predicted and
     measured peaks are then the predicted lowest and the lowest a compilation measured."""
+    error: str | None = None
+    """What went wrong planning or measuring the row, other than a refusal (the run goes on)."""
     peer_gradient_error: float | None = None
     """For a budget set by torch.compile: its gradients against torch.compile's without checkpointing."""
 
@@ -85,6 +87,8 @@ class CheckRow:
 def row_verdict(row: CheckRow) -> str:
     """`verdict` of the predicted peak; for a refused budget, of the predicted lowest peak against the
     lowest a compilation measured, and false where torch.compile fitted that budget."""
+    if row.error is not None:
+        return f"**error**: {row.error[:120]}"
     if row.infeasible is not None and row.peer_gradient_error is not None:
         if row.peer_gradient_error > GRADIENT_RTOL:
             return (
@@ -110,6 +114,10 @@ def _planned_row(
         row.infeasible = str(refusal).splitlines()[0]
         row.predicted_peak_bytes = lowest_bytes
         row.measured_peak_bytes = refusal.min_peak_bytes  # the lowest a compiled plan measured
+        return row
+    except Exception as error:  # one failed row must not lose the others
+        log.exception("%s %s: planning failed", model, budget)
+        row.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         return row
     assert plan.module is not None and plan.compiled is not None
     row.predicted_peak_bytes = plan.predicted_peak_bytes
@@ -146,12 +154,12 @@ def check_model(model: str, fallback_random: bool, **sizes: Any) -> list[CheckRo
         lowest, baseline = reference.min_peak_bytes, reference.baseline_peak_bytes
         budgets = [(f"predicted range {f:g}", int(lowest + f * (baseline - lowest))) for f in FRACTIONS]
         peers = {fraction: _peer(model, fraction, **sizes) for fraction in PEER_BUDGETS}
-        reference = peers[NO_CHECKPOINTING][1]
+        unplanned = peers[NO_CHECKPOINTING][1]
         errors: dict[str, float | None] = {label: None for label, _ in budgets}
         for fraction, (peak_bytes, gradients) in peers.items():
             label = f"torch.compile budget {fraction:g}"
             budgets.append((label, peak_bytes))
-            errors[label] = ((gradients - reference).norm() / reference.norm()).item()
+            errors[label] = ((gradients - unplanned).norm() / unplanned.norm()).item()
         rows = []
         for label, budget_bytes in budgets:
             started = time.perf_counter()
@@ -203,19 +211,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     arguments = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.perf_counter()
-    rows = [
-        row
-        for model in arguments.models.split(",")
-        for fallback_random in (False, True)
-        for row in check_model(model, fallback_random)
-    ]
+    rows: list[CheckRow] = []
+    table = ""
+    for model in arguments.models.split(","):
+        for fallback_random in (False, True):
+            rows += check_model(model, fallback_random)
+            table = write_results(rows, arguments.out, started, argv)  # what is done so far is kept
+    print(table)
+
+
+def write_results(rows: Sequence[CheckRow], out: Path, started: float, argv: Sequence[str] | None) -> str:
+    """The JSON at `out` and the markdown beside it (quoted in docs/compiled.md); the markdown."""
     context = {
         "machine": machine(),
         "revision": planner_revision(),
         "total_s": time.perf_counter() - started,
         "command": ["python", "-m", "bench.compiled_check", *(argv or [])],
     }
-    arguments.out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     records = [
         asdict(row)
         | {
@@ -224,11 +237,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         }
         for row in rows
     ]
-    arguments.out.write_text(json.dumps({**context, "rows": records}, indent=2) + "\n")
+    out.write_text(json.dumps({**context, "rows": records}, indent=2) + "\n")
     table = markdown(rows, context)
-    arguments.out.with_suffix(".md").write_text(table)
-    refresh_quotes(arguments.out.with_suffix(".md"))
-    print(table)
+    out.with_suffix(".md").write_text(table)
+    refresh_quotes(out.with_suffix(".md"))
+    return table
 
 
 if __name__ == "__main__":

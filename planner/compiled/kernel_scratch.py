@@ -12,12 +12,11 @@ NOTE [kernel scratch]: the planner runs each such operator once, outside the com
 mode, on tensors of the shapes, strides and dtype the joint graph gives it and in the layout inductor
 runs it in (channels-last for a 4-d tensor where inductor's layout optimisation is on: NOTE [layout
 copies] in joint_graph.py), filled with ones (the RNG state is restored after a random operator
-draws), and counts the bytes
-the call held above its outputs at its peak: on the CPU from the profiler's allocator events (not
-while a profiler of the caller's runs: a second one would end it), on CUDA from the allocator's peak
-statistic. The figure is a measurement of this machine's kernels, as the
-eager planner's workspaces are (NOTE [measured residuals] in ir.py); signatures repeat across a
-network, and each is measured once.
+draws), and counts the bytes the call held above its outputs at its peak: on the CPU from the
+profiler's allocator events (not while a profiler of the caller's runs: a second one would end it),
+on CUDA from the allocator's peak statistic. The figure is a measurement of this machine's kernels,
+as the eager planner's workspaces are (NOTE [measured residuals] in ir.py); signatures repeat across
+a network, and each is measured once.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ compiled step measured 1.5 MiB (4 %) above a prediction that places each such op
 forward operator it differentiates (`place_hoisted` in groups.py). The planner's partition moves each
 of them to just after its inputs are made (`order_forward`): that ViT's compiled peak without
 checkpointing dropped from 35.89 to 34.32 MB (37.46 to 35.88 with `fallback_random`), each as
-predicted to the byte (tests/planner/test_compiled.py).
+predicted to the byte (tests/planner/test_compiled_out_of_zoo.py).
 """
 
 from __future__ import annotations

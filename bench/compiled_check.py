@@ -17,6 +17,7 @@ that budget "impossible" would be false). Each row compiles our plan on a fresh 
 
     .venv/bin/python -m bench.compiled_check                               # about 15 minutes here
     .venv/bin/python -m bench.compiled_check --models encoder_vit --out /tmp/compiled_check.json
+    .venv/bin/python -m bench.compiled_check --render   # the markdown again from the JSON
 
 Results: JSON at `--out` (default bench/results/compiled_check.json) and a markdown table beside it,
 which docs/compiled.md quotes (bench/docs_tables.py).
@@ -29,7 +30,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -193,12 +194,14 @@ def markdown(rows: Sequence[CheckRow], context: dict[str, Any]) -> str:
             f"{'—' if off is None else f'{off:+.2%}'} | {row_verdict(row)} | "
             f"{row.compilations if row.compilations is not None else '—'} |"
         )
-    counts = {kind: sum(kind in row_verdict(row) for row in rows) for kind in ("within", "upper", "**")}
+    kinds = ("within", "upper", "**", "wrong gradients")
+    counts = {kind: sum(kind in row_verdict(row) for row in rows) for kind in kinds}
     lines += [
         "",
         f"{counts['within']} of {len(rows)} rows within 2 %, {counts['upper']} upper bounds, {counts['**']} "
-        "low or falsely refused. A refused row compares the predicted lowest peak with the lowest "
-        "peak a compilation measured (NOTE [checked budget]).",
+        f"low or falsely refused, {counts['wrong gradients']} refused where only torch.compile with wrong "
+        "gradients fits. A refused row compares the predicted lowest peak with the lowest peak a "
+        "compilation measured (NOTE [checked budget]).",
         "",
     ]
     return "\n".join(lines)
@@ -208,7 +211,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(COMPILED_CHECK_MODELS), help="comma-separated")
     parser.add_argument("--out", type=Path, default=RESULTS / "compiled_check.json")
+    parser.add_argument(
+        "--render", action="store_true", help="rewrite the markdown of --out's JSON, measuring nothing"
+    )
     arguments = parser.parse_args(argv)
+    if arguments.render:
+        print(render(arguments.out))
+        return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.perf_counter()
     rows: list[CheckRow] = []
@@ -218,6 +227,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             rows += check_model(model, fallback_random)
             table = write_results(rows, arguments.out, started, argv)  # what is done so far is kept
     print(table)
+
+
+def render(out: Path) -> str:
+    """The markdown beside `out` (and the docs quoting it) from the rows the JSON there holds."""
+    document = json.loads(out.read_text())
+    names = {field.name for field in fields(CheckRow)}
+    rows = [
+        CheckRow(**{key: value for key, value in row.items() if key in names}) for row in document["rows"]
+    ]
+    table = markdown(rows, document)
+    out.with_suffix(".md").write_text(table)
+    refresh_quotes(out.with_suffix(".md"))
+    return table
 
 
 def write_results(rows: Sequence[CheckRow], out: Path, started: float, argv: Sequence[str] | None) -> str:

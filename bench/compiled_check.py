@@ -46,8 +46,7 @@ from planner.errors import InfeasibleBudget
 from planner.ir import TrainingStep
 from planner.profiler.measurement import default_loss
 from planner.testing.compiled_models import COMPILED_CHECK_MODELS
-from planner.testing.steps import variant_of
-from planner.testing.zoo_real import ExampleCall
+from planner.testing.steps import seeded_gradients, variant_of
 
 log = logging.getLogger("bench.compiled_check")
 
@@ -57,8 +56,8 @@ FRACTIONS = (0.0, 0.1, 0.5, 1.0)
 PEER_BUDGETS = (1.0, 0.5, 0.0)
 """`activation_memory_budget` values whose measured compiled peak is also a budget of ours."""
 NO_CHECKPOINTING = 1.0
-"""torch.compile's default partition, whose gradients each peer's are compared with (same seed)."""
-SEED = 1234
+"""torch.compile's default partition, whose gradients each peer's are compared with (same seed,
+`STEP_SEED`)."""
 GRADIENT_RTOL = 1e-4
 """A peer's gradients differ from torch.compile's without checkpointing by more than this (relative
 norm over the model) when it draws other dropout masks: `fallback_random` with a budget below 1.0."""
@@ -127,20 +126,11 @@ def _planned_row(
     return row
 
 
-def _step_gradients(module: torch.nn.Module, call: ExampleCall) -> torch.Tensor:
-    """The gradients of one step of `module` (which computes `call.model`) under `SEED`, flattened."""
-    torch.manual_seed(SEED)
-    loss = default_loss(module(*call.args, **call.kwargs))
-    return torch.cat(
-        [gradient.flatten() for gradient in torch.autograd.grad(loss, list(call.model.parameters()))]
-    )
-
-
 def _peer(model: str, fraction: float, **sizes: Any) -> tuple[int, torch.Tensor]:
     """`torch.compile` at `activation_memory_budget=fraction`: its measured peak and one step's gradients."""
     call = COMPILED_CHECK_MODELS[model](**sizes)
     module = compiled(variant_of(call.model), fraction).module
-    gradients = _step_gradients(module, call)
+    _, gradients = seeded_gradients(module, list(call.model.parameters()), call.args, call.kwargs)
     return allocator_step_memory(module, call).peak_bytes, gradients
 
 

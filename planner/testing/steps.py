@@ -40,6 +40,7 @@ __all__ = [
     "max_gradient_difference",
     "one_step",
     "record_step",
+    "seeded_gradients",
     "variant_of",
 ]
 
@@ -243,3 +244,18 @@ def assert_same_step(expected: StepRecord, actual: StepRecord, *, rtol: float = 
     """Assert equal loss and gradients (within `rtol`, see `gradient_mismatch`) and bitwise equal buffers."""
     mismatch = gradient_mismatch(expected, actual, rtol=rtol) or buffer_mismatch(expected, actual)
     assert mismatch is None, mismatch
+
+
+def seeded_gradients(
+    module: nn.Module,
+    targets: Sequence[torch.Tensor],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None = None,
+    seed: int = STEP_SEED,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and the gradients of `targets` (flattened, in order) of one step of `module` under `seed`,
+    by `torch.autograd.grad`: nothing is written to `.grad`, so a compiled module stays as it was."""
+    torch.manual_seed(seed)
+    loss = default_loss(module(*args, **(kwargs or {})))
+    gradients = torch.autograd.grad(loss, list(targets))
+    return loss.detach(), torch.cat([gradient.flatten() for gradient in gradients])

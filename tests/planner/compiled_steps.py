@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from planner.profiler.measurement import default_loss
+from planner.testing.steps import seeded_gradients
 
 GRADIENT_RTOL = 1e-4
 """Inductor fuses differently around a recomputed region: sums in another order, float32 rounding."""
@@ -19,8 +19,5 @@ def compiled_gradients(
     module: torch.nn.Module, parameters: Any, inputs: tuple[Any, ...]
 ) -> tuple[torch.Tensor, ...]:
     """Loss and every gradient (flattened, parameters then inputs) of one step under `SEED`."""
-    torch.manual_seed(SEED)
-    loss = default_loss(module(*inputs))
     targets = [*parameters, *(t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad)]
-    gradients = torch.autograd.grad(loss, targets)
-    return loss.detach(), torch.cat([g.flatten() for g in gradients])
+    return seeded_gradients(module, targets, inputs, seed=SEED)

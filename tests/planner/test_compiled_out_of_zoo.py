@@ -19,6 +19,7 @@ from planner.compiled.optimize import plan_compiled_step
 from planner.ir import TrainingStep
 from planner.profiler.measurement import default_loss
 from planner.testing.compiled_models import COMPILED_CHECK_MODELS
+from planner.testing.steps import seeded_gradients
 from planner.testing.zoo_real import ExampleCall
 from tests.planner.compiled_steps import GRADIENT_RTOL, HUGE_BUDGET_BYTES, SEED
 
@@ -37,10 +38,7 @@ def _call(model: str) -> ExampleCall:
 
 def _gradients(module: torch.nn.Module, call: ExampleCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss and flattened gradients of one step of `module` (which computes `call.model`) under `SEED`."""
-    torch.manual_seed(SEED)
-    loss = default_loss(module(*call.args, **call.kwargs))
-    gradients = torch.autograd.grad(loss, list(call.model.parameters()))
-    return loss.detach(), torch.cat([gradient.flatten() for gradient in gradients])
+    return seeded_gradients(module, list(call.model.parameters()), call.args, call.kwargs, seed=SEED)
 
 
 def _measured_peak_bytes(module: torch.nn.Module, call: ExampleCall) -> int:

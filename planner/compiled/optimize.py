@@ -39,7 +39,8 @@ heuristics on its own fused kernels, which the planner cannot predict before the
 instead chooses the backward's order itself (the same least-peak-first heuristic on its model of the
 kernels, or autograd's order when that is lower: `backward_order` in backward_order.py), imposes it
 on the partitioned backward, and turns inductor's reordering off for this compile, so that the order
-it predicts is the order that runs.
+it predicts is the order that runs (fusion keeps it too: NOTE [order after fusion] in
+backward_order.py).
 
 NOTE [horizontal fusion]: inductor's scheduler also fuses kernels that read the same buffer without
 depending on each other ("horizontal" fusion), and a fused kernel runs where its earliest part would
@@ -102,7 +103,7 @@ from torch._inductor.scheduler import Scheduler
 from torch._inductor.virtualized import V
 from torch.utils._pytree import tree_map
 
-from planner.compiled.backward_order import order_backward
+from planner.compiled.backward_order import in_planned_order, order_backward
 from planner.compiled.joint_graph import LossProfile, build_compiled_graph, retained_storages, saved_values
 from planner.compiled.split_step import SplitPlanning, eager_profile, optimize_split, splits
 from planner.compiled.step import (
@@ -370,7 +371,11 @@ def _backend(planning: CompiledPlanning) -> Callable[..., Any]:
             return compile_fx(
                 graph_module,
                 example_inputs,
-                config_patches={**INDUCTOR_CONFIG, "custom_partitioner_fn": planning},
+                config_patches={
+                    **INDUCTOR_CONFIG,
+                    "custom_partitioner_fn": planning,
+                    "_post_fusion_custom_pass": in_planned_order,
+                },
             )
 
     return backend

@@ -30,18 +30,24 @@ the weight gradients out of each `convolution_backward`'s result, so each result
 included, stayed allocated until then: that U-Net, without checkpointing, measured 6,269,952 B where
 6,180,864 were predicted, and a plan under `activation_memory_budget=0.5`'s measured peak (5.26 MiB)
 measured 219 KiB over its budget, its replans under lower budgets measured over it too, and the
-budget was refused. The planner's compiles instead sort the nodes after fusion
-(`_post_fusion_custom_pass`) so that each runs as early as what it reads allows, in the graph's
-order: the order the plan chose, as the simulator has it. That U-Net then measured its prediction to
-the byte, and the plan 1 KiB above its prediction, within that budget.
+budget was refused. inductor's own numbering (`min_order`) is not the planned order either: it
+numbers a pointwise value when a kernel that cannot compute it inline is lowered, so a BatchNorm
+backward's last kernel, planned before a replay that its convolution's backward also reads, was
+numbered, and run, after that replay (the CNN of planner/testing/compiled_models.py at its lowest plan:
+13.49 MB measured at the first compilation, 9.40 predicted). The planner's compiles instead sort the
+nodes after fusion (`_post_fusion_custom_pass`) so that each runs as early as what it reads allows,
+in the planned order: where the graph inductor lowers places the last FX operator the node computes
+(`planned_positions`). That U-Net then measured its prediction to the byte, and the plan 1 KiB above
+its prediction, within that budget; that CNN measured 11.50 MB (the rest: NOTE [replay copies] in
+replay_copies.py).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from torch import fx
 
@@ -52,7 +58,9 @@ __all__ = [
     "Kernel",
     "backward_by_group",
     "backward_order",
+    "after_fusion",
     "in_planned_order",
+    "planned_positions",
     "least_peak_first",
     "order_backward",
     "peak_of_order",
@@ -187,10 +195,10 @@ def order_backward(backward: fx.GraphModule, kernel_order: Sequence[str]) -> fx.
     return fx.GraphModule(backward, graph)
 
 
-def in_planned_order(nodes: list[Any]) -> list[Any]:
-    """inductor's scheduler nodes after fusion, each run as early as what it reads allows, in the order
-    the graph gave them (NOTE [order after fusion]): a topological order that picks the ready node
-    that came first (`min_order`)."""
+def in_planned_order(nodes: list[Any], planned_position: Mapping[Any, int]) -> list[Any]:
+    """inductor's scheduler nodes after fusion, each run as early as what it reads allows, in the
+    planned order (NOTE [order after fusion]): a topological order that picks the ready node whose
+    `planned_position` comes first (then the one inductor made first: `min_order`)."""
     producer = {name: node for node in nodes for name in node.get_buffer_names()}
     waiting: dict[Any, int] = {}
     users: dict[Any, list[Any]] = {node: [] for node in nodes}
@@ -199,8 +207,8 @@ def in_planned_order(nodes: list[Any]) -> list[Any]:
         waiting[node] = len(inputs)
         for source in inputs:
             users[source].append(node)
-    position = {node: (node.min_order, index) for index, node in enumerate(nodes)}
-    ready = [position[node] + (node,) for node in nodes if waiting[node] == 0]
+    key = {node: (planned_position[node], node.min_order, index) for index, node in enumerate(nodes)}
+    ready = [key[node] + (node,) for node in nodes if waiting[node] == 0]
     heapq.heapify(ready)
     ordered: list[Any] = []
     while ready:
@@ -209,9 +217,38 @@ def in_planned_order(nodes: list[Any]) -> list[Any]:
         for user in users[node]:
             waiting[user] -= 1
             if waiting[user] == 0:
-                heapq.heappush(ready, position[user] + (user,))
+                heapq.heappush(ready, key[user] + (user,))
     assert len(ordered) == len(nodes), "inductor's scheduler nodes do not form a DAG"
     return ordered
+
+
+def planned_positions(nodes: Sequence[Any], graph_nodes: Sequence[fx.Node]) -> dict[Any, int]:
+    """Each scheduler node -> the place in the graph inductor lowers (`graph_nodes`, in the planned
+    order) of the last FX operator it computes, where its output is made; a node that names none
+    takes the place of the node before it."""
+    index = {node: position for position, node in enumerate(graph_nodes)}
+    positions: dict[Any, int] = {}
+    last = 0
+    for node in nodes:
+        found = [
+            index[origin]
+            for part in node.get_nodes()
+            if part.node is not None
+            for origin in part.node.get_origins()
+            if origin in index
+        ]
+        last = max(found, default=last)
+        positions[node] = last
+    return positions
+
+
+def after_fusion(nodes: list[Any]) -> list[Any]:
+    """`_post_fusion_custom_pass`: the scheduler's nodes of the graph being compiled in the planned
+    order (NOTE [order after fusion])."""
+    from torch._inductor.virtualized import V
+
+    graph = cast(fx.GraphModule, V.graph.module).graph
+    return in_planned_order(nodes, planned_positions(nodes, list(graph.nodes)))
 
 
 @dataclass

@@ -103,8 +103,9 @@ from torch._inductor.scheduler import Scheduler
 from torch._inductor.virtualized import V
 from torch.utils._pytree import tree_map
 
-from planner.compiled.backward_order import in_planned_order, order_backward
+from planner.compiled.backward_order import after_fusion, order_backward
 from planner.compiled.joint_graph import LossProfile, build_compiled_graph, retained_storages, saved_values
+from planner.compiled.replay_copies import copy_replays_for_readers
 from planner.compiled.split_step import SplitPlanning, eager_profile, optimize_split, splits
 from planner.compiled.step import (
     MAX_ATTEMPTS,
@@ -224,12 +225,14 @@ class CompiledPlanning(CustomPartitionerFn):
         self.plans.append(chosen["plan"])
         compiled = chosen["compiled"]
         ordered = order_backward(backward, compiled.kernel_order)
-        self.backward_steps = _node_steps(ordered, compiled.kernel_steps)
-        self.replayed = frozenset(
+        replayed = {
             node.name
             for node in ordered.graph.nodes
             if node.op == "call_function" and node.name in chosen["forward"]
-        )
+        }
+        ordered, copies = copy_replays_for_readers(ordered, replayed)
+        self.backward_steps = _node_steps(ordered, compiled.kernel_steps)
+        self.replayed = frozenset(replayed | copies)
         return order_forward(forward, chosen["forward"]), ordered
 
     def uuid(self) -> Any:
@@ -374,7 +377,7 @@ def _backend(planning: CompiledPlanning) -> Callable[..., Any]:
                 config_patches={
                     **INDUCTOR_CONFIG,
                     "custom_partitioner_fn": planning,
-                    "_post_fusion_custom_pass": in_planned_order,
+                    "_post_fusion_custom_pass": after_fusion,
                 },
             )
 

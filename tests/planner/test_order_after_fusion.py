@@ -1,18 +1,20 @@
-"""NOTE [order after fusion] in planner/compiled/backward_order.py: after inductor fuses a producer into a
-far later consumer, every node keeps the place the graph gave it unless what it reads is not ready.
+"""NOTE [order after fusion] in planner/compiled/backward_order.py: after inductor fuses, each scheduler
+node runs where the planned graph puts the last operator it computes, unless what it reads is not ready.
 
-Checked here on scheduler nodes reduced to what the sort reads (their buffers, what they read, their
-place in the graph); tests/planner/test_compiled_out_of_zoo.py measures the diffusers U-Net it fixed.
+Checked here on scheduler nodes reduced to what the sort reads (their buffers, what they read, the
+operators they compute, inductor's `min_order`); tests/planner/test_compiled_out_of_zoo.py measures the
+diffusers U-Net this fixed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from torch._inductor.scheduler import Scheduler
 
-from planner.compiled.backward_order import in_planned_order
+from planner.compiled.backward_order import in_planned_order, planned_positions
 
 
 @dataclass(frozen=True)
@@ -20,44 +22,65 @@ class _Dep:
     name: str
 
 
+@dataclass(frozen=True)
+class _Operators:
+    names: tuple[str, ...]
+
+    def get_origins(self) -> tuple[str, ...]:
+        return self.names
+
+
+@dataclass(frozen=True)
+class _Part:
+    node: _Operators | None
+
+
 @dataclass(eq=False)
 class _Node:
-    """A scheduler node writing `buffers`, reading `reads`, first placed at `min_order`."""
+    """A scheduler node computing `operators` (its own name by default), reading the buffers of the
+    nodes named in `reads`, made `min_order`-th by inductor."""
 
     name: str
     min_order: int
     reads: tuple[str, ...] = ()
-    buffers: tuple[str, ...] = ()
+    operators: tuple[str, ...] = ()
     unmet_dependencies: set[_Dep] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.unmet_dependencies = {_Dep(name) for name in self.reads}
-        self.buffers = self.buffers or (f"buf_{self.name}",)
+        self.unmet_dependencies = {_Dep(f"buf_{name}") for name in self.reads}
+        self.operators = self.operators or (self.name,)
 
     def get_buffer_names(self) -> tuple[str, ...]:
-        return self.buffers
+        return (f"buf_{self.name}",)
+
+    def get_nodes(self) -> list[_Part]:
+        return [_Part(_Operators(self.operators))]
 
 
-def _fused_time_embedding() -> list[_Node]:
-    """The U-Net's case, in the order inductor sorts by (`min_order`): the first time-embedding gradient
-    fused into the sum of them all, which takes the first one's place (0) and reads the blocks' (3, 4);
-    a convolution's backward (1) that the first block reads, and the `getitem` of its weight gradient
-    (2), which nothing reads."""
-    return [
-        _Node("fused_sum", 0, reads=("buf_block_a", "buf_block_b")),
-        _Node("conv_backward", 1),
-        _Node("weight_getitem", 2, reads=("buf_conv_backward",)),
-        _Node("block_a", 3, reads=("buf_conv_backward",)),
-        _Node("block_b", 4, reads=("buf_block_a",)),
-    ]
-
-
-def _names(nodes: list[_Node]) -> list[str]:
+def _names(nodes: list[Any]) -> list[str]:
     return [node.name for node in nodes]
 
 
+def _by_min_order(nodes: list[_Node]) -> list[Any]:
+    return in_planned_order(nodes, {node: node.min_order for node in nodes})
+
+
+def _fused_time_embedding() -> list[_Node]:
+    """The U-Net's case, in inductor's order (`min_order`): the first time-embedding gradient fused into
+    the sum of them all, which takes the first one's place (0) and reads the blocks' (3, 4); a
+    convolution's backward (1) that the first block reads, and the `getitem` of its weight gradient (2),
+    which nothing reads."""
+    return [
+        _Node("fused_sum", 0, reads=("block_a", "block_b")),
+        _Node("conv_backward", 1),
+        _Node("weight_getitem", 2, reads=("conv_backward",)),
+        _Node("block_a", 3, reads=("conv_backward",)),
+        _Node("block_b", 4, reads=("block_a",)),
+    ]
+
+
 def test_a_node_the_fused_kernel_does_not_need_keeps_its_place() -> None:
-    ordered = in_planned_order(_fused_time_embedding())  # type: ignore[arg-type]
+    ordered = _by_min_order(_fused_time_embedding())
     assert _names(ordered) == ["conv_backward", "weight_getitem", "block_a", "block_b", "fused_sum"]
 
 
@@ -68,17 +91,33 @@ def test_inductors_depth_first_sort_moved_it_after_the_fused_kernel() -> None:
     assert _names(ordered) == ["conv_backward", "block_a", "block_b", "fused_sum", "weight_getitem"]
 
 
-def test_an_order_with_nothing_fused_is_kept() -> None:
+def test_a_kernel_inductor_made_late_runs_where_its_operators_are_planned() -> None:
+    """The CNN's case: a BatchNorm backward's pointwise tail, planned before a replay, is made only when
+    the convolution backward after that replay reads it, so inductor numbered it after the replay."""
+    planned = ["grad_scale", "bn_tail", "replay_conv", "replay_relu", "conv_backward"]
     nodes = [
-        _Node("a", 0),
-        _Node("b", 1, reads=("buf_a",)),
-        _Node("c", 2),
-        _Node("d", 3, reads=("buf_c", "buf_b")),
+        _Node("grad_scale", 0),
+        _Node("replay_conv", 1),
+        _Node("replay_relu", 2, reads=("replay_conv",)),
+        _Node("bn_tail", 3, reads=("grad_scale",), operators=("grad_scale", "bn_tail")),
+        _Node("conv_backward", 4, reads=("bn_tail", "replay_relu")),
     ]
-    assert _names(in_planned_order(nodes)) == ["a", "b", "c", "d"]  # type: ignore[arg-type]
+    positions = planned_positions(nodes, planned)  # type: ignore[arg-type]
+    assert positions[nodes[3]] == planned.index("bn_tail")
+    assert _names(in_planned_order(nodes, positions)) == planned
+
+
+def test_a_node_naming_no_planned_operator_keeps_the_place_of_the_one_before() -> None:
+    nodes = [_Node("a", 0), _Node("unnamed", 1, operators=("not_in_graph",)), _Node("b", 2)]
+    positions = planned_positions(nodes, ["a", "b"])  # type: ignore[arg-type]
+    assert [positions[node] for node in nodes] == [0, 0, 1]
+
+
+def test_an_order_with_nothing_fused_is_kept() -> None:
+    nodes = [_Node("a", 0), _Node("b", 1, reads=("a",)), _Node("c", 2), _Node("d", 3, reads=("c", "b"))]
+    assert _names(_by_min_order(nodes)) == ["a", "b", "c", "d"]
 
 
 def test_a_cycle_is_refused() -> None:
-    nodes = [_Node("a", 0, reads=("buf_b",)), _Node("b", 1, reads=("buf_a",))]
     with pytest.raises(AssertionError, match="DAG"):
-        in_planned_order(nodes)  # type: ignore[arg-type]
+        _by_min_order([_Node("a", 0, reads=("b",)), _Node("b", 1, reads=("a",))])

@@ -15,7 +15,7 @@ that budget "impossible" would be false). Each row compiles our plan on a fresh 
   (bench/compare_measurement.py `allocator_step_memory`, as `bench.compare` counts compiled rows);
 - the verdict: within 2 % of measured, an upper bound (more than 2 % above), or **low**.
 
-    .venv/bin/python -m bench.compiled_check              # 15-30 minutes on this 2-core CPU
+    .venv/bin/python -m bench.compiled_check              # 11-30 minutes on this 2-core CPU
     .venv/bin/python -m bench.compiled_check --models encoder_vit --out /tmp/compiled_check.json
     .venv/bin/python -m bench.compiled_check --render   # the markdown again from the JSON
 

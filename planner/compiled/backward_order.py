@@ -56,14 +56,14 @@ from planner.compiled.joint_reader import JointReader
 __all__ = [
     "Backward",
     "Kernel",
+    "after_fusion",
     "backward_by_group",
     "backward_order",
-    "after_fusion",
     "in_planned_order",
-    "planned_positions",
     "least_peak_first",
     "order_backward",
     "peak_of_order",
+    "planned_positions",
     "readers_of",
 ]
 

@@ -46,6 +46,28 @@ def _measured_peak_bytes(module: torch.nn.Module, call: ExampleCall) -> int:
     return planner.measure(module, call.args, example_kwargs=call.kwargs).peak_bytes
 
 
+def _assert_trains_as(
+    module: torch.nn.Module, call: ExampleCall, loss: torch.Tensor, gradients: torch.Tensor, label: str
+) -> None:
+    """One seeded step of `module` gives `loss` and `gradients` (a reference's) within `GRADIENT_RTOL`."""
+    actual_loss, actual_gradients = _gradients(module, call)
+    torch.testing.assert_close(actual_loss, loss, rtol=GRADIENT_RTOL, atol=0.0)
+    error = ((actual_gradients - gradients).norm() / gradients.norm()).item()
+    assert error <= GRADIENT_RTOL, f"{label}: gradients differ by {error:.1e}"
+
+
+def _assert_fits_as_predicted(plan: planner.Plan, call: ExampleCall, budget: int, label: str) -> None:
+    """`plan.module` measures within `budget`, and within `PREDICTION_TOLERANCE` of its prediction."""
+    assert plan.module is not None
+    measured = _measured_peak_bytes(plan.module, call)
+    assert measured <= budget, f"{label}: measured {measured} over {budget}\n{plan.summary()}"
+    deviation = (plan.predicted_peak_bytes - measured) / measured
+    assert abs(deviation) <= PREDICTION_TOLERANCE, (
+        f"{label}: predicted {plan.predicted_peak_bytes}, measured {measured} ({deviation:+.2%})\n"
+        f"{plan.summary()}"
+    )
+
+
 @pytest.mark.parametrize(("model", "fallback_random"), CASES)
 def test_compiled_predictions_hold_on_a_model_not_built_for_them(model: str, fallback_random: bool) -> None:
     with torch._inductor.config.patch(fallback_random=fallback_random):
@@ -69,20 +91,10 @@ def test_compiled_predictions_hold_on_a_model_not_built_for_them(model: str, fal
                 planned.model, planned.args, example_kwargs=planned.kwargs, budget_bytes=budget, compile=True
             )
             assert plan.module is not None
+            label = f"{model} (fallback_random={fallback_random}) at {fraction}"
             if fraction < 1.0:
-                loss, gradients = _gradients(plan.module, planned)
-                torch.testing.assert_close(loss, expected_loss, rtol=GRADIENT_RTOL, atol=0.0)
-                error = ((gradients - expected_gradients).norm() / expected_gradients.norm()).item()
-                assert error <= GRADIENT_RTOL, f"{model} at {fraction}: gradients differ by {error:.1e}"
-            measured = _measured_peak_bytes(plan.module, planned)
-            assert measured <= budget, (
-                f"{model} at {fraction}: measured {measured} over {budget}\n{plan.summary()}"
-            )
-            deviation = (plan.predicted_peak_bytes - measured) / measured
-            assert abs(deviation) <= PREDICTION_TOLERANCE, (
-                f"{model} (fallback_random={fallback_random}) at {fraction}: predicted "
-                f"{plan.predicted_peak_bytes}, measured {measured} ({deviation:+.2%})\n{plan.summary()}"
-            )
+                _assert_trains_as(plan.module, planned, expected_loss, expected_gradients, label)
+            _assert_fits_as_predicted(plan, planned, budget, label)
 
 
 def test_a_budget_torch_compiles_own_recompute_fits_is_not_refused() -> None:
@@ -100,13 +112,5 @@ def test_a_budget_torch_compiles_own_recompute_fits_is_not_refused() -> None:
     plan = planner.optimize(planned.model, planned.args, budget_bytes=budget, compile=True)
     assert plan.module is not None and plan.compiled is not None
     assert plan.compiled.attempts == 1, plan.summary()
-    loss, gradients = _gradients(plan.module, planned)
-    torch.testing.assert_close(loss, expected_loss, rtol=GRADIENT_RTOL, atol=0.0)
-    error = ((gradients - expected_gradients).norm() / expected_gradients.norm()).item()
-    assert error <= GRADIENT_RTOL, f"gradients differ from torch.compile's by {error:.1e}"
-    measured = _measured_peak_bytes(plan.module, planned)
-    assert measured <= budget, f"measured {measured} over {budget}\n{plan.summary()}"
-    deviation = (plan.predicted_peak_bytes - measured) / measured
-    assert abs(deviation) <= PREDICTION_TOLERANCE, (
-        f"predicted {plan.predicted_peak_bytes}, measured {measured}\n{plan.summary()}"
-    )
+    _assert_trains_as(plan.module, planned, expected_loss, expected_gradients, "diffusers_unet")
+    _assert_fits_as_predicted(plan, planned, budget, "diffusers_unet")

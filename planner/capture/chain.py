@@ -376,6 +376,30 @@ def _export_root(
         return torch.export.export(model, args, kwargs, strict=False), False
 
 
+def _unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example call with every tensor passed more than once replaced, after its first place, by a
+    copy, for torch.export alone.
+
+    NOTE [aliased example inputs]: Hugging Face's causal LMs are called `model(input_ids=ids,
+    labels=ids)`. Non-strict export maps each example tensor to one graph input, so the same tensor
+    passed twice becomes the later input everywhere: the captured Llama embedded `labels`, and trained
+    on the labels as tokens whenever a batch passed two different tensors (its loss was that of
+    `(labels, labels)`). Copies give each argument its own input; the graph still runs with the
+    example's own tensors, one storage as the user passes it."""
+    seen: set[int] = set()
+
+    def distinct(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            return leaf
+        return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+
+    distinct_args, distinct_kwargs = tree_map(distinct, (args, kwargs))
+    return tuple(distinct_args), distinct_kwargs
+
+
 def _capture_export(
     model: torch.nn.Module, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Capture:
@@ -390,7 +414,7 @@ def _capture_export(
     call = GraphCall(signature=signature)
     kwargs = call._ordered(kwargs)  # the graph's flat inputs follow the forward's parameter order
     try:
-        exported, dynamic = _export_root(model, signature, args, kwargs)
+        exported, dynamic = _export_root(model, signature, *_unaliased(args, kwargs))
     except Exception as error:  # noqa: BLE001 - any export failure is a reason to try a coarser level
         raise UnsupportedModel(
             f"torch.export cannot trace {type(model).__name__}: {_describe(error)} (branch with "

@@ -8,6 +8,7 @@ from torch import nn
 
 import planner
 from planner.capture.chain import capture
+from planner.testing.steps import assert_same_step, one_step
 from planner.zoo import build_model
 
 
@@ -66,3 +67,41 @@ def test_is_tensor_answers_true_for_a_traced_tensor() -> None:
     assert "tensor" not in targets, targets
     assert torch.equal(captured.graph_module(*inputs), model(*inputs))
     assert not torch.is_tensor(torch.fx.Proxy.__new__(torch.fx.Proxy)), "restored after tracing"
+
+
+class ScoresItsTargets(nn.Module):
+    """Embeds tokens and scores the next-token logits against targets, as a causal LM called with
+    `labels=input_ids` does; a branch on a size keeps FX out, so torch.export captures it."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        if tokens.shape[0] > 4:
+            hidden = 2 * hidden
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        return nn.functional.cross_entropy(self.head(hidden).flatten(0, 1), targets.flatten())
+
+
+def test_an_example_passing_one_tensor_twice_captures_two_inputs() -> None:
+    """NOTE [aliased example inputs]: planned from `model(ids, ids)`, the module trains on other
+    batches whose targets are not their tokens with the model's loss and gradients (before, the graph
+    embedded the targets)."""
+    torch.manual_seed(0)
+    model, tokens = ScoresItsTargets(), torch.randint(32, (8, 12))
+    profile = planner.profile(model, (tokens, tokens))
+    frontier = profile.pareto(points=2, solver="dp")
+    plan = profile.plan(
+        budget_bytes=(frontier.min_peak_bytes + frontier.baseline_peak_bytes) // 2, solver="dp"
+    )
+    assert plan.capture == "export" and plan.module is not None and plan.regions
+    batch = (torch.randint(32, (8, 12)), torch.randint(32, (8, 12)))
+    assert_same_step(one_step(model, batch), one_step(plan.module, batch))

@@ -168,10 +168,21 @@ class CheckpointedRegion(torch.nn.Module):
 
 
 def _checkpointed(region: CheckpointedRegion, args: tuple[Any, ...]) -> Any:
-    """`region` run eagerly under checkpoint, with the replay's contexts (buffers restored, keeps)."""
+    """`region` run eagerly under checkpoint, with the replay's contexts (buffers restored, keeps).
+
+    NOTE [region calls]: checkpoint calls the body's `forward`, not the GraphModule. A replay stops
+    early by raising an exception from its last pack hook, and a GraphModule's `__call__` catches
+    every exception that passes through it to extract the stack (a file check per frame) before
+    raising it again: on a small Hugging Face BERT that made each checkpointed region of its plan cost
+    1.75 ms more than no checkpointing, where 1.22 ms without it (30 interleaved rounds, one CPU
+    thread). The body holds no hooks of its own for `__call__` to run."""
     with _autocast_uncached():
         return checkpoint(
-            region.body, *args, use_reentrant=False, preserve_rng_state=True, context_fn=region._contexts
+            region.body.forward,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=region._contexts,
         )
 
 

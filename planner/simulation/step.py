@@ -42,7 +42,10 @@ that it did not receive is among its `creates`, so the two cases are told apart 
 (`stops_before_outputs`). A node of many operators (an opaque module call) may save its last tensor
 before its last operators run: the profiling step measures its forward's peak up to that save
 (`Node.replay_stop_bytes`), and a replay it triggers holds that and the saved outputs it made, not its
-whole forward (issue 35: 139,776 bytes on a mixture-of-experts block). The replay runs when the
+whole forward (issue 35: 139,776 bytes on a mixture-of-experts block). Its time is charged whole, an
+upper bound: its operators up to that save run again, and a composite one runs nearly all of them
+(attention computed from its parts saves its probabilities for its last product; charging nothing
+left a BERT attention's 0.53 ms out of every region ending there). The replay runs when the
 trigger's backward unpacks its first saved tensor: the gradients in flight have arrived, the
 gradients it computes (and its parameters') are not made yet. The profiling step measures what is
 live at that unpack (`Node.replay_workspace_bytes`, see profiler/interpreter.py).
@@ -330,6 +333,7 @@ def replay_region(
                 live.add(name, leaves_after(name, index), index)
             if log is not None:
                 log.transient(f"{node.name}#replay-workspace", running_bytes - made_bytes)
+            recompute_ms += node.forward_ms
         else:
             created_bytes = sum(sizes[name] for name in node.creates if name not in live.names)
             points.append(live.total_bytes + created_bytes + node.forward_workspace_bytes)

@@ -10,7 +10,7 @@ from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule, S
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
 from planner.simulation.allocator import replay
 from planner.simulation.reserved import allocation_events
-from planner.simulation.step import simulate, store_everything
+from planner.simulation.step import checkpoint_overhead_ms, simulate, store_everything
 from planner.solvers.chain import build_chain, region_cost
 from planner.testing.synthetic_graphs import MIB, chain_graph, with_selective_price
 
@@ -249,4 +249,11 @@ def test_a_replay_stops_at_the_last_save_of_a_block_of_many_operators() -> None:
     forward, at_replay, backward = (after - before for before, after in zip(*costs, strict=True))
     assert (forward, at_replay, backward) == (0, 2 * MIB, 0), (
         "the solvers cost the replay as the simulator does"
+    )
+    times = [simulate(graph, schedule).recompute_ms for graph in (stopped, _opaque_block())]
+    assert times[0] == times[1] > checkpoint_overhead_ms(stopped, schedule.regions[1]), (
+        "the operators up to the last save run again: the node's forward is charged whole"
+    )
+    assert (
+        region_cost(build_chain(stopped), schedule.regions[1], held_in=frozenset()).recompute_ms == times[0]
     )

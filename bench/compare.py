@@ -44,6 +44,7 @@ Run from the repository root (two models at a time by default, `--jobs`; see `DE
     .venv/bin/python -m bench.compare --device cuda    # its own files: compare_cuda.{json,md,png}
     .venv/bin/python -m bench.compare --render bench/results/compare.json    # tables and plot again
     .venv/bin/python -m bench.compare --compiled-only --out /tmp/compiled.json  # compiled rows alone
+    .venv/bin/python -m bench.compare --eager-only --out /tmp/eager.json  # eager rows alone
 
 Results: JSON at `--out` (default `bench/results/compare.json`, `compare_quick.json` with `--quick`), the
 markdown tables (`.md`, also printed to stdout; verdicts and rendering live in bench/compare_report.py) and
@@ -164,6 +165,8 @@ class Settings:
     """Models benchmarked at once, each in its own process with cpu_count / jobs torch threads."""
     compiled_only: bool = False
     """Measure the compiled rows alone (no eager peers and plans)."""
+    eager_only: bool = False
+    """Measure the eager rows alone (no compiled peers and plans)."""
 
 
 def build_example(name: str, device: str) -> ExampleCall:
@@ -359,8 +362,8 @@ def benchmark_model(name: str, settings: Settings) -> ModelResult:
         result.predicted_min_peak_bytes = predicted.min_peak_bytes
         result.predicted_baseline_peak_bytes = predicted.baseline_peak_bytes
         eager = eager_rows(call, reference, predicted, settings)
-    result.rows = eager + compiled_rows(call, reference, settings)
-    if settings.device == "cpu":
+    result.rows = eager + ([] if settings.eager_only else compiled_rows(call, reference, settings))
+    if settings.device == "cpu" and not settings.eager_only:
         compiled_none = next(row for row in result.rows if row.mode is Mode.COMPILED)
         result.tracker_check = tracker_check(call, compiled_none)
     result.seconds = time.perf_counter() - started_s
@@ -387,6 +390,7 @@ def run_in_subprocess(name: str, settings: Settings, directory: Path) -> ModelRe
     ]
     command += ["--threads", str(worker_threads(settings.jobs)), *(["--quick"] if settings.quick else [])]
     command += ["--compiled-only"] if settings.compiled_only else []
+    command += ["--eager-only"] if settings.eager_only else []
     try:
         subprocess.run(command, check=True, timeout=MODEL_TIMEOUT_S, cwd=REPOSITORY)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
@@ -432,6 +436,7 @@ def settings_for(arguments: argparse.Namespace) -> Settings:
         quick=arguments.quick,
         jobs=arguments.jobs,
         compiled_only=arguments.compiled_only,
+        eager_only=arguments.eager_only,
     )
 
 
@@ -459,9 +464,11 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
         help=f"models at once, each with cpu_count/jobs torch threads (default {DEFAULT_JOBS})",
     )
     parser.add_argument("--render", type=Path, help="rewrite the .md and .png of a JSON this script wrote")
-    parser.add_argument(
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument(
         "--compiled-only", action="store_true", help="the compiled rows alone (no eager peers or plans)"
     )
+    only.add_argument("--eager-only", action="store_true", help="the eager rows alone (no compiled ones)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
@@ -535,6 +542,7 @@ def main(argv: Sequence[str]) -> int:
         "fractions": settings.fractions,
         "jobs": settings.jobs,
         "compiled_only": settings.compiled_only,
+        "eager_only": settings.eager_only,
         "torch_threads_per_model": worker_threads(settings.jobs),
     }
     results = run_all(arguments.models, settings, previous=arguments.out)

@@ -45,6 +45,7 @@ Run from the repository root (two models at a time by default, `--jobs`; see `DE
     .venv/bin/python -m bench.compare --render bench/results/compare.json    # tables and plot again
     .venv/bin/python -m bench.compare --compiled-only --out /tmp/compiled.json  # compiled rows alone
     .venv/bin/python -m bench.compare --eager-only --out /tmp/eager.json  # eager rows alone
+    .venv/bin/python -m bench.compare --eager-only --models sized_qwen2,sized_mixtral   # issue 35's sizes
 
 Results: JSON at `--out` (default `bench/results/compare.json`, `compare_quick.json` with `--quick`), the
 markdown tables (`.md`, also printed to stdout; verdicts and rendering live in bench/compare_report.py) and
@@ -121,6 +122,7 @@ from planner.testing.steps import (
     variant_of,
 )
 from planner.testing.zoo_real import ExampleCall, build_call
+from planner.testing.zoo_sized import SIZED_ZOO
 
 log = logging.getLogger("bench.compare")
 
@@ -174,6 +176,8 @@ def build_example(name: str, device: str) -> ExampleCall:
     if name in zoo.ZOO:
         model, inputs = zoo.build_model(name)
         call = ExampleCall(model, inputs)
+    elif name in SIZED_ZOO:
+        call = SIZED_ZOO[name].build()
     else:
         call = build_call(name)
     return ExampleCall(
@@ -447,7 +451,10 @@ def default_out(device: str, quick: bool) -> Path:
 
 def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS)}")
+    parser.add_argument(
+        "--models",
+        help=f"comma-separated subset of {','.join(MODELS)}, or of {','.join(SIZED_ZOO)} (issue 35's sizes)",
+    )
     parser.add_argument(
         "--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}; fewer rounds and fractions"
     )
@@ -475,9 +482,9 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     arguments = parser.parse_args(argv)
     default_models = QUICK_MODELS if arguments.quick else MODELS
     names = arguments.models.split(",") if arguments.models else list(default_models)
-    unknown = [name for name in names if name not in MODELS]
+    unknown = [name for name in names if name not in MODELS and name not in SIZED_ZOO]
     if unknown:
-        parser.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
+        parser.error(f"unknown models {unknown}; choose from {', '.join((*MODELS, *SIZED_ZOO))}")
     arguments.models = names
     arguments.out = arguments.out or default_out(arguments.device, arguments.quick)
     return arguments

@@ -27,6 +27,7 @@ from bench import compare_report as report
 from bench import prediction_verdicts as verdicts
 from planner.testing.steps import one_step
 from planner.testing.zoo_real import ExampleCall
+from planner.testing.zoo_sized import SIZED_ZOO
 
 MIB = 2**20
 
@@ -260,3 +261,22 @@ def test_the_compiled_check_calls_a_refusal_false_only_where_torch_compile_fits_
         "| vit | False | predicted range 0.5 | 100.00 | 100.00 | 100.00 | +0.00% | within 2% | 1 |" in table
     )
     assert "1 of 5 rows within 2 %, 1 upper bounds, 2 low or falsely refused" in table, table
+
+
+def test_the_sized_zoo_is_accepted_by_name_and_eager_only_keeps_out_the_compiled_rows() -> None:
+    arguments = compare.parse_arguments(["--models", "sized_qwen2,hf_gpt2", "--eager-only"])
+    assert arguments.models == ["sized_qwen2", "hf_gpt2"]
+    assert compare.settings_for(arguments).eager_only and not compare.settings_for(arguments).compiled_only
+    with pytest.raises(SystemExit):
+        compare.parse_arguments(["--models", "sized_nothing"])
+    with pytest.raises(SystemExit):
+        compare.parse_arguments(["--eager-only", "--compiled-only"])
+
+
+@pytest.mark.parametrize("name", SIZED_ZOO)
+def test_every_sized_model_builds_in_train_mode_and_returns_a_loss(name: str) -> None:
+    call = SIZED_ZOO[name].build()
+    assert call.model.training
+    with torch.no_grad():
+        loss = call.model(*call.args, **call.kwargs).loss
+    assert torch.isfinite(loss) and loss > 0

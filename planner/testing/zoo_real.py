@@ -47,6 +47,8 @@ __all__ = [
     "TiedLanguageModel",
     "UNet",
     "build_call",
+    "seeded",
+    "transformers_module",
 ]
 
 SEED = 0
@@ -102,7 +104,7 @@ ROUTED_BY_VALUE = frozenset({"moe_transformer"})
 """The DAG-shaped entries whose forward routes by value."""
 
 
-def _seeded(construct: Callable[[], ExampleCall]) -> Callable[[], ExampleCall]:
+def seeded(construct: Callable[[], ExampleCall]) -> Callable[[], ExampleCall]:
     """Run `construct` under `SEED` without consuming the caller's RNG stream; train mode."""
 
     @functools.wraps(construct)
@@ -116,7 +118,8 @@ def _seeded(construct: Callable[[], ExampleCall]) -> Callable[[], ExampleCall]:
     return build
 
 
-def _transformers() -> ModuleType:
+def transformers_module() -> ModuleType:
+    """`transformers`, or an ImportError that says how to install it."""
     try:
         return importlib.import_module(HUGGING_FACE)
     except ImportError as error:
@@ -127,7 +130,7 @@ def _transformers() -> ModuleType:
 
 
 def _build_hf_gpt2() -> ExampleCall:
-    hf = _transformers()
+    hf = transformers_module()
     config = hf.GPT2Config(
         n_layer=2,
         n_embd=64,
@@ -143,7 +146,7 @@ def _build_hf_gpt2() -> ExampleCall:
 
 
 def _build_hf_bert() -> ExampleCall:
-    hf = _transformers()
+    hf = transformers_module()
     config = hf.BertConfig(
         num_hidden_layers=2,
         hidden_size=64,
@@ -163,7 +166,7 @@ def _build_hf_bert() -> ExampleCall:
 
 
 def _build_hf_llama() -> ExampleCall:
-    hf = _transformers()
+    hf = transformers_module()
     config = hf.LlamaConfig(
         num_hidden_layers=2,
         hidden_size=64,
@@ -182,7 +185,7 @@ def _build_hf_llama() -> ExampleCall:
 
 
 def _build_hf_t5() -> ExampleCall:
-    hf = _transformers()
+    hf = transformers_module()
     config = hf.T5Config(
         num_layers=2,
         num_decoder_layers=2,
@@ -201,7 +204,7 @@ def _build_hf_t5() -> ExampleCall:
 
 def _build_hf_t5_long_source() -> ExampleCall:
     """T5 whose encoder output (128 source tokens) is read by every decoder layer's cross-attention."""
-    hf = _transformers()
+    hf = transformers_module()
     config = hf.T5Config(
         num_layers=3,
         num_decoder_layers=3,
@@ -246,7 +249,7 @@ def _dag_call(name: str) -> Callable[[], ExampleCall]:
 
 
 def _build_hf_vit() -> ExampleCall:
-    hf = _transformers()
+    hf = transformers_module()
     config = hf.ViTConfig(
         num_hidden_layers=2,
         hidden_size=64,
@@ -486,7 +489,7 @@ REAL_ZOO: dict[str, RealModel] = {
             "hf_gpt2",
             "Hugging Face GPT2LMHeadModel: 2 layers, width 64, 4 heads, vocabulary 512, dropout 0.1, tied LM "
             "head; input_ids and labels (4, 48), use_cache=False.",
-            _seeded(_build_hf_gpt2),
+            seeded(_build_hf_gpt2),
             capture="export",
             requires=HUGGING_FACE,
         ),
@@ -494,7 +497,7 @@ REAL_ZOO: dict[str, RealModel] = {
             "hf_bert",
             "Hugging Face BertForMaskedLM: 2 layers, width 64, 4 heads, vocabulary 512; input_ids, "
             "attention_mask (last 8 tokens padded) and labels (4, 48).",
-            _seeded(_build_hf_bert),
+            seeded(_build_hf_bert),
             capture="export",
             requires=HUGGING_FACE,
         ),
@@ -502,7 +505,7 @@ REAL_ZOO: dict[str, RealModel] = {
             "hf_llama",
             "Hugging Face LlamaForCausalLM: 2 layers, width 64, 4 heads with 2 KV heads (GQA), RoPE, "
             "RMSNorm, SwiGLU, attention dropout 0.1; input_ids and labels (4, 48).",
-            _seeded(_build_hf_llama),
+            seeded(_build_hf_llama),
             capture="export",
             requires=HUGGING_FACE,
         ),
@@ -510,7 +513,7 @@ REAL_ZOO: dict[str, RealModel] = {
             "hf_t5",
             "Hugging Face T5ForConditionalGeneration: 2 encoder and 2 decoder layers, width 64, relative "
             "position bias; input_ids (4, 32), labels (4, 24).",
-            _seeded(_build_hf_t5),
+            seeded(_build_hf_t5),
             capture="export",
             requires=HUGGING_FACE,
         ),
@@ -518,7 +521,7 @@ REAL_ZOO: dict[str, RealModel] = {
             "hf_vit",
             "Hugging Face ViTForImageClassification: 2 layers, width 64, patch 4 on 32x32 images, dropout "
             "0.1; pixel_values (4, 3, 32, 32) and labels.",
-            _seeded(_build_hf_vit),
+            seeded(_build_hf_vit),
             capture="export",
             requires=HUGGING_FACE,
         ),
@@ -526,89 +529,89 @@ REAL_ZOO: dict[str, RealModel] = {
             "transformer_encoder",
             "nn.TransformerEncoder: 2 post-LN layers, width 64, 4 heads, dropout 0.1, batch_first; source "
             "(8, 32, 64) with src_key_padding_mask (last 6 positions).",
-            _seeded(_build_transformer_encoder),
+            seeded(_build_transformer_encoder),
             capture="export",
         ),
         RealModel(
             "transformer_decoder",
             "nn.TransformerDecoder: 2 layers, width 64, 4 heads, dropout 0.1; target (8, 24, 64) with a "
             "causal tgt_mask, memory (8, 32, 64).",
-            _seeded(_build_transformer_decoder),
+            seeded(_build_transformer_decoder),
             capture="export",
         ),
         RealModel(
             "resnet",
             "CIFAR-style ResNet: stem and 3 stages of 2 basic blocks (16/32/64 channels), BatchNorm, "
             "in-place ReLU and residual +=; batch 8 of 3x32x32.",
-            _seeded(_build_resnet),
+            seeded(_build_resnet),
             capture="fx",
         ),
         RealModel(
             "densenet",
             "DenseNet-BC: 2 dense blocks of 4 layers (growth 12, BN-ReLU-Conv1x1-BN-ReLU-Conv3x3, "
             "concatenation), a pooling transition; batch 4 of 3x32x32.",
-            _seeded(_build_densenet),
+            seeded(_build_densenet),
             capture="fx",
         ),
         RealModel(
             "unet",
             "Two-level U-Net: double 3x3 convolutions with BatchNorm, max pooling, transposed convolutions, "
             "skip concatenation; batch 4 of 3x32x32, 2 classes per pixel.",
-            _seeded(_build_unet),
+            seeded(_build_unet),
             capture="fx",
         ),
         RealModel(
             "keyword_dataclass",
             "Token tagger called with a keyword-only attention_mask and output='dataclass', returning a "
             "dataclass of logits and a tuple of hidden states; 3 blocks, tokens (8, 64).",
-            _seeded(lambda: _tagger_call("dataclass")),
+            seeded(lambda: _tagger_call("dataclass")),
             capture="fx",
         ),
         RealModel(
             "keyword_dict",
             "The token tagger returning a dict (output='dict').",
-            _seeded(lambda: _tagger_call("dict")),
+            seeded(lambda: _tagger_call("dict")),
             capture="fx",
         ),
         RealModel(
             "keyword_tuple",
             "The token tagger returning a tuple (output='tuple').",
-            _seeded(lambda: _tagger_call("tuple")),
+            seeded(lambda: _tagger_call("tuple")),
             capture="fx",
         ),
         RealModel(
             "inplace_mlp",
             "Residual MLP of width 256 written with mul_/add_, relu(inplace=True) and slice assignment "
             "(which FX cannot trace); batch 512.",
-            _seeded(_build_inplace_mlp),
+            seeded(_build_inplace_mlp),
             capture="export",
         ),
         RealModel(
             "tied_lm",
             "Language model whose lm_head.weight is its embedding.weight (one Parameter), 4 MLP blocks of "
             "width 128, vocabulary 1024; tokens (8, 64).",
-            _seeded(_build_tied_lm),
+            seeded(_build_tied_lm),
             capture="fx",
         ),
         RealModel(
             "hooked_mlp",
             "6 residual MLP blocks of width 128 with a counting forward hook, an output-halving forward hook "
             "and an input-doubling forward pre-hook; batch 256.",
-            _seeded(_build_hooked_mlp),
+            seeded(_build_hooked_mlp),
             capture="fx",
         ),
         RealModel(
             "branching_root",
             "4 residual MLP blocks of width 128, run forwards or backwards by the sign of the input's "
             "mean in the root forward; batch 256.",
-            _seeded(_build_branching_root),
+            seeded(_build_branching_root),
             capture="module",
         ),
         RealModel(
             "hf_t5_long_source",
             "Hugging Face T5 encoder-decoder, 3 + 3 layers, width 64: 128 source tokens whose encoder "
             "output every decoder layer reads, 16 target tokens; batch 4.",
-            _seeded(_build_hf_t5_long_source),
+            seeded(_build_hf_t5_long_source),
             capture="export",
             requires=HUGGING_FACE,
         ),
@@ -616,7 +619,7 @@ REAL_ZOO: dict[str, RealModel] = {
             RealModel(
                 name,
                 description,
-                _seeded(_dag_call(name)),
+                seeded(_dag_call(name)),
                 capture="fx",
                 routes_by_value=name in ROUTED_BY_VALUE,
             )  # fmt: skip
@@ -633,7 +636,7 @@ LIBRARY_ZOO: dict[str, RealModel] = {
             "diffusers_unet",
             "diffusers UNet2DModel from a config: 2 levels of 16/32 channels, one ResNet block each, "
             "attention at the second, GroupNorm of 8 groups; images (4, 3, 16, 16) and timesteps (4,).",
-            _seeded(_build_diffusers_unet),
+            seeded(_build_diffusers_unet),
             capture="export",
             requires=DIFFUSERS,
         ),

@@ -1,0 +1,134 @@
+"""Hugging Face models at the sizes where issue 35 timed our plans against the libraries' own switch.
+
+Why it exists: a plan's step time against a hand method's is decided by more than its recompute (the
+Python around a checkpointed region, the captured graph's calls), and those costs weigh differently at
+CI size than at a size people train on a CPU. Issue 35 found our plans slower than Hugging Face's
+`gradient_checkpointing_enable()` at its memory on a 6-layer Qwen2 (1.05x), a Llama with LoRA adapters
+(1.07x), GPT-2 with dropout (1.10x) and a top-2 Mixtral; these are those models, built from configs
+with random weights (nothing downloaded), for `bench.compare --models` (not in its default run, whose
+zoo is CI-sized). Each build runs under `zoo_real.SEED` and returns the model in train mode.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from planner.testing.zoo_real import HUGGING_FACE, ExampleCall, RealModel, seeded, transformers_module
+
+__all__ = ["SIZED_ZOO"]
+
+LAYERS, WIDTH, HEADS, KV_HEADS, FEED_FORWARD, VOCABULARY = 6, 256, 4, 2, 512, 1024
+BATCH, TOKENS = 4, 128
+PEFT = "peft"
+"""The optional package the LoRA entry needs."""
+
+
+def _tokens(length: int = TOKENS) -> dict[str, torch.Tensor]:
+    token_ids = torch.randint(VOCABULARY, (BATCH, length))
+    return {"input_ids": token_ids, "labels": token_ids}
+
+
+def _build_qwen2() -> ExampleCall:
+    hf = transformers_module()
+    config = hf.Qwen2Config(
+        num_hidden_layers=LAYERS,
+        hidden_size=WIDTH,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        intermediate_size=FEED_FORWARD,
+        vocab_size=VOCABULARY,
+        max_position_embeddings=2 * TOKENS,
+        use_cache=False,
+    )
+    return ExampleCall(hf.Qwen2ForCausalLM(config), kwargs=_tokens())
+
+
+def _build_llama_lora() -> ExampleCall:
+    hf = transformers_module()
+    peft = importlib.import_module(PEFT)
+    config = hf.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=WIDTH,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        intermediate_size=FEED_FORWARD,
+        vocab_size=VOCABULARY,
+        max_position_embeddings=2 * TOKENS,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    adapters = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return ExampleCall(peft.get_peft_model(hf.LlamaForCausalLM(config), adapters), kwargs=_tokens())
+
+
+def _build_mixtral() -> ExampleCall:
+    hf = transformers_module()
+    config = hf.MixtralConfig(
+        num_hidden_layers=4,
+        hidden_size=WIDTH,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        intermediate_size=FEED_FORWARD,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=VOCABULARY,
+        max_position_embeddings=2 * TOKENS,
+        use_cache=False,
+    )
+    return ExampleCall(hf.MixtralForCausalLM(config), kwargs=_tokens())
+
+
+def _build_gpt2_dropout() -> ExampleCall:
+    hf = transformers_module()
+    config = hf.GPT2Config(
+        n_layer=LAYERS,
+        n_embd=WIDTH,
+        n_head=HEADS,
+        vocab_size=VOCABULARY,
+        n_positions=2 * TOKENS,
+        use_cache=False,
+    )
+    return ExampleCall(hf.GPT2LMHeadModel(config), kwargs=_tokens(2 * TOKENS))
+
+
+SIZED_ZOO: dict[str, RealModel] = {
+    entry.name: entry
+    for entry in (
+        RealModel(
+            "sized_qwen2",
+            f"Hugging Face Qwen2ForCausalLM: {LAYERS} layers, width {WIDTH}, {HEADS} heads with "
+            f"{KV_HEADS} KV heads, vocabulary {VOCABULARY}; tokens ({BATCH}, {TOKENS}).",
+            seeded(_build_qwen2),
+            capture="export",
+            requires=HUGGING_FACE,
+        ),
+        RealModel(
+            "sized_llama_lora",
+            f"Hugging Face LlamaForCausalLM, 4 layers, width {WIDTH}, under PEFT LoRA adapters (r=8) on "
+            f"q_proj and v_proj, base weights frozen; tokens ({BATCH}, {TOKENS}).",
+            seeded(_build_llama_lora),
+            capture="export",
+            requires=PEFT,
+        ),
+        RealModel(
+            "sized_mixtral",
+            f"Hugging Face MixtralForCausalLM: 4 layers, width {WIDTH}, 4 experts, top-2 routing; tokens "
+            f"({BATCH}, {TOKENS}).",
+            seeded(_build_mixtral),
+            capture="export",
+            requires=HUGGING_FACE,
+        ),
+        RealModel(
+            "sized_gpt2_dropout",
+            f"Hugging Face GPT2LMHeadModel: {LAYERS} layers, width {WIDTH}, dropout 0.1, tied head; tokens "
+            f"({BATCH}, {2 * TOKENS}).",
+            seeded(_build_gpt2_dropout),
+            capture="export",
+            requires=HUGGING_FACE,
+        ),
+    )
+}
+"""Not in `REAL_ZOO`: planning and timing them takes minutes, so no test suite runs them by default."""

@@ -12,6 +12,7 @@ zoo is CI-sized). Each build runs under `zoo_real.SEED` and returns the model in
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import torch
 
@@ -30,54 +31,37 @@ def _tokens(length: int = TOKENS) -> dict[str, torch.Tensor]:
     return {"input_ids": token_ids, "labels": token_ids}
 
 
+def _decoder_sizes(layers: int) -> dict[str, Any]:
+    """The sizes the Llama-family configs (Qwen2, Llama, Mixtral) share, under their common names."""
+    return {
+        "num_hidden_layers": layers,
+        "hidden_size": WIDTH,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "intermediate_size": FEED_FORWARD,
+        "vocab_size": VOCABULARY,
+        "max_position_embeddings": 2 * TOKENS,
+        "use_cache": False,
+    }
+
+
 def _build_qwen2() -> ExampleCall:
     hf = transformers_module()
-    config = hf.Qwen2Config(
-        num_hidden_layers=LAYERS,
-        hidden_size=WIDTH,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        intermediate_size=FEED_FORWARD,
-        vocab_size=VOCABULARY,
-        max_position_embeddings=2 * TOKENS,
-        use_cache=False,
-    )
+    config = hf.Qwen2Config(**_decoder_sizes(LAYERS))
     return ExampleCall(hf.Qwen2ForCausalLM(config), kwargs=_tokens())
 
 
 def _build_llama_lora() -> ExampleCall:
     hf = transformers_module()
     peft = importlib.import_module(PEFT)
-    config = hf.LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=WIDTH,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        intermediate_size=FEED_FORWARD,
-        vocab_size=VOCABULARY,
-        max_position_embeddings=2 * TOKENS,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = hf.LlamaConfig(**_decoder_sizes(4), bos_token_id=0, eos_token_id=0)
     adapters = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     return ExampleCall(peft.get_peft_model(hf.LlamaForCausalLM(config), adapters), kwargs=_tokens())
 
 
 def _build_mixtral() -> ExampleCall:
     hf = transformers_module()
-    config = hf.MixtralConfig(
-        num_hidden_layers=4,
-        hidden_size=WIDTH,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        intermediate_size=FEED_FORWARD,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=VOCABULARY,
-        max_position_embeddings=2 * TOKENS,
-        use_cache=False,
-    )
+    config = hf.MixtralConfig(**_decoder_sizes(4), num_local_experts=4, num_experts_per_tok=2)
     return ExampleCall(hf.MixtralForCausalLM(config), kwargs=_tokens())
 
 

@@ -104,15 +104,16 @@ class ExportedShapes:
         """NOTE [admission per shape]: export's checks read only the tensors' shapes and the other
         inputs' values, and run sympy on every call (0.2-0.4 ms of Python, 3-5 % of a small Llama's
         training step on a CPU), so each verdict is kept by those and checked once."""
-        leaves_with_path, _ = tree_flatten_with_path((tuple(args), dict(kwargs)))
-        key = _shape_key([leaf for _, leaf in leaves_with_path])
+        leaves, _ = tree_flatten((tuple(args), dict(kwargs)))
+        key = _shape_key(leaves)
         if key is None:
-            return self._check(leaves_with_path)
+            return self._check(args, kwargs)
         if key not in self.verdicts:
-            self.verdicts[key] = self._check(leaves_with_path)
+            self.verdicts[key] = self._check(args, kwargs)
         return self.verdicts[key]
 
-    def _check(self, leaves_with_path: list[tuple[Any, Any]]) -> bool:
+    def _check(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+        leaves_with_path, _ = tree_flatten_with_path((tuple(args), dict(kwargs)))
         try:
             # export's own check of an unlifted module's inputs against its symbols' ranges
             _check_input_constraints_for_graph(

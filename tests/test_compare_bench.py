@@ -263,7 +263,7 @@ def test_the_compiled_check_calls_a_refusal_false_only_where_torch_compile_fits_
     assert "1 of 5 rows within 2 %, 1 upper bounds, 2 low or falsely refused" in table, table
 
 
-def test_the_sized_zoo_is_accepted_by_name_and_eager_only_keeps_out_the_compiled_rows() -> None:
+def test_the_sized_zoo_is_accepted_by_name_and_eager_only_excludes_compiled_only() -> None:
     arguments = compare.parse_arguments(["--models", "sized_qwen2,hf_gpt2", "--eager-only"])
     assert arguments.models == ["sized_qwen2", "hf_gpt2"]
     assert compare.settings_for(arguments).eager_only and not compare.settings_for(arguments).compiled_only

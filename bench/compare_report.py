@@ -208,10 +208,11 @@ def measurably_slower(row: Row, rows: Sequence[Row]) -> bool:
 
 def matches_peer(row: Row, rows: Sequence[Row]) -> bool | None:
     """Done-when of issues 7 and 14: our measured peak within the peer's, and our step time not
-    measurably above its (`measurably_slower`)."""
+    measurably above its (`measurably_slower`); a plan that trains with other gradients than the
+    model's matches nothing."""
     if row.within_budget is None or time_vs_peer(row, rows) is None:
         return None
-    return row.within_budget and not measurably_slower(row, rows)
+    return row.gradients_equal is not False and row.within_budget and not measurably_slower(row, rows)
 
 
 def spread_text(row: Row, rows: Sequence[Row]) -> str:
@@ -411,6 +412,8 @@ class Tally:
     """Of `matched`, those whose median ratio to the peer is at most 1 as well."""
     no_plan: int = 0
     """Ours has no measured row (planning refused or failed)."""
+    wrong_gradients: int = 0
+    """Ours trains with other loss, gradients or buffers than the unmodified model."""
     over_peak: int = 0
     slower: int = 0
     """Measurably slower: the median ratio's 95 % interval lies above 1."""
@@ -436,6 +439,8 @@ def tally(results: Sequence[ModelResult], mode: Mode, solver: str) -> Tally:
             counts.misses_against_wrong_gradients += peer.gradients_equal is False
             if matched is None or ours is None:
                 counts.no_plan += 1
+            elif ours.gradients_equal is False:
+                counts.wrong_gradients += 1
             elif not ours.within_budget:
                 counts.over_peak += 1
             else:
@@ -447,8 +452,9 @@ def tally_table(results: Sequence[ModelResult]) -> list[str]:
     """Per mode and solver: comparisons matched, and the misses by reason."""
     lines = [
         "| mode | solver | within the peer's peak and not measurably slower | of which no slower by the "
-        "median | no plan | over the peak | measurably slower | misses whose peer's gradients were wrong |",
-        "|---|---|---|---|---|---|---|---|",
+        "median | no plan | ours with other gradients | over the peak | measurably slower | misses whose "
+        "peer's gradients were wrong |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in Mode:
         for solver in SOLVERS:
@@ -456,7 +462,8 @@ def tally_table(results: Sequence[ModelResult]) -> list[str]:
             if counts.comparisons:
                 lines.append(
                     f"| {mode} | {solver} | {counts.matched} of {counts.comparisons} | "
-                    f"{counts.matched_by_median} | {counts.no_plan} | {counts.over_peak} | {counts.slower} | "
+                    f"{counts.matched_by_median} | {counts.no_plan} | {counts.wrong_gradients} | "
+                    f"{counts.over_peak} | {counts.slower} | "
                     f"{counts.misses_against_wrong_gradients} |"
                 )
     return lines

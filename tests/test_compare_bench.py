@@ -10,6 +10,7 @@ does see compiled code running.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 import random
@@ -25,6 +26,7 @@ from bench import compare, compiled_check, peers
 from bench import compare_measurement as measurement
 from bench import compare_report as report
 from bench import prediction_verdicts as verdicts
+from planner.profiler.measurement import default_loss
 from planner.testing.steps import one_step
 from planner.testing.zoo_real import ExampleCall
 from planner.testing.zoo_sized import SIZED_ZOO
@@ -78,6 +80,15 @@ def test_ours_matches_a_peer_only_within_its_budget_and_no_slower() -> None:
     assert report.spread_text(dp, result.rows) == "rounds 0.85-1.07"
     assert report.spread_text(ilp, result.rows) == "rounds 1.10-1.10"
     assert report.matches_peer(result.rows[1], result.rows) is None, "a peer is not judged against itself"
+
+
+def test_a_plan_that_trains_otherwise_matches_no_peer_and_is_tallied_for_it() -> None:
+    result = fake_result()
+    dp = result.rows[2]
+    dp.gradients_equal = False
+    assert report.matches_peer(dp, result.rows) is False, "within the peak and faster, but wrong"
+    counts = report.tally([result], report.Mode.EAGER, "dp")
+    assert (counts.matched, counts.wrong_gradients, counts.slower, counts.over_peak) == (0, 1, 0, 0)
 
 
 def test_a_median_above_the_peer_is_slower_only_when_its_interval_is() -> None:
@@ -141,7 +152,9 @@ def test_the_tally_counts_matches_and_each_miss_by_its_first_reason() -> None:
     dp = report.tally([result], report.Mode.EAGER, "dp")
     assert (dp.comparisons, dp.matched, dp.matched_by_median) == (1, 1, 1)
     ilp = report.tally([result], report.Mode.EAGER, "ilp")
-    assert (ilp.comparisons, ilp.matched, ilp.over_peak, ilp.slower) == (1, 0, 1, 0)
+    assert (ilp.comparisons, ilp.matched, ilp.wrong_gradients, ilp.over_peak) == (1, 0, 1, 0), "wrong first"
+    result.rows[3].gradients_equal = True
+    assert (report.tally([result], report.Mode.EAGER, "ilp").over_peak, ilp.slower) == (1, 0)
     result.rows[1].gradients_equal = False
     result.rows[3].peak_bytes, result.rows[3].within_budget = 29 * MIB, True
     ilp = report.tally([result], report.Mode.EAGER, "ilp")
@@ -150,8 +163,8 @@ def test_the_tally_counts_matches_and_each_miss_by_its_first_reason() -> None:
     assert report.tally([result], report.Mode.EAGER, "ilp").no_plan == 1
     assert report.tally([result], report.Mode.COMPILED, "ilp").comparisons == 0
     table = report.markdown([result], context())
-    assert "| eager | dp | 1 of 1 | 1 | 0 | 0 | 0 | 0 |" in table
-    assert "| eager | ilp | 0 of 1 | 0 | 1 | 0 | 0 | 1 |" in table
+    assert "| eager | dp | 1 of 1 | 1 | 0 | 0 | 0 | 0 | 0 |" in table
+    assert "| eager | ilp | 0 of 1 | 0 | 1 | 0 | 0 | 0 | 1 |" in table
 
 
 def test_a_result_survives_the_json_between_worker_and_parent() -> None:
@@ -274,9 +287,14 @@ def test_the_sized_zoo_is_accepted_by_name_and_eager_only_excludes_compiled_only
 
 
 @pytest.mark.parametrize("name", SIZED_ZOO)
-def test_every_sized_model_builds_in_train_mode_and_returns_a_loss(name: str) -> None:
-    call = SIZED_ZOO[name].build()
+def test_every_sized_model_builds_in_train_mode_or_names_the_package_it_needs(name: str) -> None:
+    entry = SIZED_ZOO[name]
+    if entry.requires is not None and importlib.util.find_spec(entry.requires) is None:
+        with pytest.raises(ImportError, match=f"needs `{entry.requires}`"):
+            entry.build()
+        return
+    call = entry.build()
     assert call.model.training
     with torch.no_grad():
-        loss = call.model(*call.args, **call.kwargs).loss
-    assert torch.isfinite(loss) and loss > 0
+        loss = default_loss(call.model(*call.args, **call.kwargs))
+    assert torch.isfinite(loss) and loss != 0

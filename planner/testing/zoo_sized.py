@@ -1,12 +1,16 @@
-"""Hugging Face models at the sizes where issue 35 timed our plans against the libraries' own switch.
+"""Library models at the sizes where issue 35 timed our plans against the libraries' own switch.
 
 Why it exists: a plan's step time against a hand method's is decided by more than its recompute (the
 Python around a checkpointed region, the captured graph's calls), and those costs weigh differently at
 CI size than at a size people train on a CPU. Issue 35 found our plans slower than Hugging Face's
 `gradient_checkpointing_enable()` at its memory on a 6-layer Qwen2 (1.05x), a Llama with LoRA adapters
-(1.07x), GPT-2 with dropout (1.10x) and a top-2 Mixtral; these are those models, built from configs
-with random weights (nothing downloaded), for `bench.compare --models` (not in its default run, whose
-zoo is CI-sized). Each build runs under `zoo_real.SEED` and returns the model in train mode.
+(1.07x), GPT-2 with dropout (1.10x) and a top-2 Mixtral, and faster than timm's
+`set_grad_checkpointing()` on a ViT; these are those models, built from configs with random weights
+(nothing downloaded), for `bench.compare --models` (not in its default run, whose zoo is CI-sized).
+Each build runs under `zoo_real.SEED` and returns the model in train mode.
+
+The timm ViT needs timm, which this project's CPU machines cannot install (pyproject.toml says why):
+it is measured where timm is installed, on a lent GPU machine (docs/benchmark.md).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ LAYERS, WIDTH, HEADS, KV_HEADS, FEED_FORWARD, VOCABULARY = 6, 256, 4, 2, 512, 10
 BATCH, TOKENS = 4, 128
 PEFT = "peft"
 """The optional package the LoRA entry needs."""
+TIMM = "timm"
+"""The optional package the ViT entry needs; not in the dev extra (pyproject.toml says why)."""
+IMAGES, IMAGE_SIZE, PATCH = 16, 64, 8
 
 
 def _tokens(length: int = TOKENS) -> dict[str, torch.Tensor]:
@@ -78,6 +85,25 @@ def _build_gpt2_dropout() -> ExampleCall:
     return ExampleCall(hf.GPT2LMHeadModel(config), kwargs=_tokens(2 * TOKENS))
 
 
+def _build_timm_vit() -> ExampleCall:
+    try:
+        vision_transformer = importlib.import_module(f"{TIMM}.models.vision_transformer")
+    except ImportError as error:
+        raise ImportError(
+            "sized_timm_vit needs `timm` (pip install timm, with a torchvision built for this torch); "
+            "it is not in the dev extra: pyproject.toml says why"
+        ) from error
+    model = vision_transformer.VisionTransformer(
+        img_size=IMAGE_SIZE,
+        patch_size=PATCH,
+        embed_dim=WIDTH,
+        depth=LAYERS,
+        num_heads=HEADS,
+        num_classes=10,
+    )
+    return ExampleCall(model, (torch.randn(IMAGES, 3, IMAGE_SIZE, IMAGE_SIZE),))
+
+
 SIZED_ZOO: dict[str, RealModel] = {
     entry.name: entry
     for entry in (
@@ -112,6 +138,14 @@ SIZED_ZOO: dict[str, RealModel] = {
             seeded(_build_gpt2_dropout),
             capture="export",
             requires=HUGGING_FACE,
+        ),
+        RealModel(
+            "sized_timm_vit",
+            f"timm VisionTransformer: {LAYERS} blocks, width {WIDTH}, {HEADS} heads, patches of {PATCH}; "
+            f"images ({IMAGES}, 3, {IMAGE_SIZE}, {IMAGE_SIZE}), the logits' sum as the loss.",
+            seeded(_build_timm_vit),
+            capture="fx",
+            requires=TIMM,
         ),
     )
 }

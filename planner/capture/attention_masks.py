@@ -17,16 +17,29 @@ evaluated at the example's sizes and at two other sets of sizes: one that is all
 for an additive float mask) at every evaluation is dropped, and one that is the causal lower triangle
 of a square attention at every evaluation becomes `is_causal=True`, as the model runs it in eager. Any
 other mask, and any mask an input's values reach (a padding `attention_mask`), stays as traced.
+
+NOTE [grouped heads]: where Hugging Face passes no mask, it also lets attention repeat grouped key and
+value heads itself (`enable_gqa=True`, `use_gqa_in_sdpa` in transformers' sdpa_attention.py: no mask and
+equal head sizes of at most 256); with the mask a trace materialises, it repeats them first
+(`repeat_kv`: unsqueeze, expand, reshape). Dropping the mask alone left the captured module calling
+attention otherwise than the model: on an H100 zoo_real's Llama (attention dropout 0.1, 4 heads over 2
+key-value heads) trained with another loss than the model's (bench/results/compare_cuda_eager.md), where
+a GPU may take another attention kernel, with other dropout draws, for the other call. So where a mask
+goes, repeated key and value heads go too, and the call gets `enable_gqa=True`, as in eager. (The two
+calls compute the same values; on the CPU they also draw the same dropout.)
 """
 
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = ["drop_size_only_masks"]
 
@@ -36,6 +49,14 @@ SIZE_OF = torch.ops.aten.sym_size.int
 """The only way an input may reach a mask that is dropped: through its size."""
 MASK_ARGUMENT, IS_CAUSAL_ARGUMENT = 3, 5
 """Positions of `attn_mask` and `is_causal` in `scaled_dot_product_attention`'s schema."""
+KEY_ARGUMENT, VALUE_ARGUMENT = 1, 2
+RESHAPES = frozenset(
+    {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+)
+EXPAND, UNSQUEEZE = torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default
+SLICE = torch.ops.aten.slice.Tensor
+GROUPED_HEAD_SIZE_LIMIT = 256
+"""The largest head size Hugging Face lets attention group heads at (NOTE [grouped heads])."""
 SIZE_CHANGES: tuple[Callable[[int], int], ...] = (lambda size: size + 1, lambda size: 2 * size + 3)
 """The other sizes a mask is evaluated at, besides the example's: every symbolic size changed alike."""
 
@@ -62,6 +83,7 @@ def drop_size_only_masks(graph_module: fx.GraphModule, example_inputs: Iterable[
         else:
             continue
         dropped.update(ancestors)
+        dropped.update(_group_repeated_heads(attention))
         changed += 1
     if changed:
         _erase_unused(graph, dropped)
@@ -217,8 +239,99 @@ def _replace_mask(attention: fx.Node, *, is_causal: bool) -> None:
     attention.args, attention.kwargs = tuple(args), kwargs
 
 
+def _group_repeated_heads(attention: fx.Node) -> list[fx.Node]:
+    """Pass `attention` the key and value heads a `repeat_kv` repeats, with `enable_gqa=True` (NOTE
+    [grouped heads]); returns the repeats' nodes, unused now, or nothing where it changed nothing."""
+    key_repeat = _repeat_kv(attention.args[KEY_ARGUMENT])
+    value_repeat = _repeat_kv(attention.args[VALUE_ARGUMENT])
+    if key_repeat is None or value_repeat is None or key_repeat.shape != value_repeat.shape:
+        return []
+    if key_repeat.size > GROUPED_HEAD_SIZE_LIMIT:
+        return []
+    args = list(attention.args)
+    args[KEY_ARGUMENT], args[VALUE_ARGUMENT] = key_repeat.heads, value_repeat.heads
+    attention.args, attention.kwargs = tuple(args), {**attention.kwargs, "enable_gqa": True}
+    return [*key_repeat.nodes, *value_repeat.nodes]
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """A `repeat_kv` in a graph: the `heads` it repeats, `count` times each, of `size` elements, and
+    its `nodes` (from the reshape back to the unsqueeze)."""
+
+    heads: fx.Node
+    count: int
+    size: int
+    nodes: tuple[fx.Node, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.count, self.size
+
+
+def _repeat_kv(node: Any) -> Repeat | None:
+    """The heads that `node` repeats as `repeat_kv` does, each `count` times in a row: a [batch, heads,
+    sequence, size] tensor unsqueezed at 2 (`[:, :, None, :, :]`, whose full slices a dynamic trace
+    keeps), expanded there, and reshaped to [batch, heads x count, sequence, size]. None for anything
+    else, or for a symbolic size."""
+    if not isinstance(node, fx.Node) or node.target not in RESHAPES:
+        return None
+    expand = node.args[0]
+    if not isinstance(expand, fx.Node) or expand.target is not EXPAND:
+        return None
+    chain = [node, expand]
+    unsqueeze = _through_full_slices(expand.args[0], chain)
+    if unsqueeze is None or unsqueeze.target is not UNSQUEEZE or unsqueeze.args[1] != 2:
+        return None
+    chain.append(unsqueeze)
+    heads = _through_full_slices(unsqueeze.args[0], chain)
+    shapes = [_shape(candidate) for candidate in (heads, expand, node)] if heads is not None else []
+    if heads is None or shapes[0] is None or shapes[1] is None or shapes[2] is None:
+        return None
+    source, expanded, reshaped = shapes[0], shapes[1], shapes[2]
+    count = expanded[2] if len(expanded) == 5 else None
+    if len(source) != 4 or not isinstance(count, int) or count < 2:
+        return None
+    batch, head_count, sequence, size = source
+    if not isinstance(size, int) or not _same(expanded, (batch, head_count, count, sequence, size)):
+        return None
+    if not _same(reshaped, (batch, head_count * count, sequence, size)):
+        return None
+    return Repeat(heads, count, size, tuple(chain))
+
+
+def _through_full_slices(node: Any, chain: list[fx.Node]) -> fx.Node | None:
+    """The tensor `node` is, past slices that keep a whole dimension (added to `chain`)."""
+    while isinstance(node, fx.Node) and node.target is SLICE and _is_full(node):
+        chain.append(node)
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) else None
+
+
+def _is_full(slice_node: fx.Node) -> bool:
+    start, end, step = (list(slice_node.args[2:]) + [None, None, None])[:3]
+    return (
+        start in (None, 0)
+        and (end is None or (isinstance(end, int) and end >= sys.maxsize))
+        and (step in (None, 1))
+    )
+
+
+def _shape(node: fx.Node) -> tuple[Any, ...] | None:
+    """The shape the trace recorded for `node`'s tensor, sizes symbolic or not."""
+    value = node.meta.get("val")
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _same(shape: tuple[Any, ...], expected: tuple[Any, ...]) -> bool:
+    """Whether two shapes, sizes symbolic or not, are provably equal."""
+    return len(shape) == len(expected) and all(
+        statically_known_true(size == want) for size, want in zip(shape, expected, strict=True)
+    )
+
+
 def _erase_unused(graph: fx.Graph, candidates: set[fx.Node]) -> None:
-    """Erase the nodes of the dropped masks that nothing uses any more, last first."""
+    """Erase the nodes of the dropped masks and repeats that nothing uses any more, last first."""
     for node in reversed(list(graph.nodes)):
         if node in candidates and not node.users:
             graph.erase_node(node)

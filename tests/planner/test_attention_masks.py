@@ -10,11 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import planner
 from planner.capture.attention_masks import ATTENTION
 from planner.capture.chain import capture
 from planner.testing.steps import assert_same_step, one_step
+from planner.testing.zoo_real import build_call
 
 BATCH, SEQUENCE, WIDTH, HEADS = 4, 24, 32, 4
 
@@ -95,3 +97,54 @@ def test_a_dropped_mask_is_dropped_at_every_batch_and_sequence() -> None:
     longer = (torch.randn(2 * BATCH, SEQUENCE + 5, WIDTH), torch.ones(2 * BATCH, SEQUENCE + 5))
     with pytest.warns(planner.LargerShapeWarning):
         assert_same_step(one_step(model, longer), one_step(plan.module, longer))
+
+
+class AttentionCalls(TorchFunctionMode):
+    """How each `scaled_dot_product_attention` of an eager forward is called: key heads, mask or
+    none, `is_causal`, `enable_gqa`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, bool, bool, bool]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.calls.append(
+                (
+                    args[1].shape[1],
+                    kwargs.get("attn_mask") is None,
+                    bool(kwargs.get("is_causal")),
+                    bool(kwargs.get("enable_gqa")),
+                )
+            )
+        return func(*args, **kwargs)
+
+
+def test_grouped_heads_are_attended_as_in_eager() -> None:
+    """NOTE [grouped heads]: with its causal mask gone, Hugging Face's Llama (4 heads over 2 key-value
+    heads) is captured calling attention on the 2 heads with `enable_gqa=True`, as it runs in eager, and
+    trains as the model does, attention dropout included."""
+    call = build_call("hf_llama")
+    with AttentionCalls() as eager, torch.no_grad():
+        call.model(*call.args, **call.kwargs)
+    captured = capture(call.model, call.args, call.kwargs)
+    graph_calls = [
+        (
+            node.args[1].meta["val"].shape[1],
+            (node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")) is None,
+            bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)),
+            bool(node.kwargs.get("enable_gqa")),
+        )
+        for node in captured.graph_module.graph.find_nodes(op="call_function", target=ATTENTION)
+    ]
+    assert eager.calls == [(2, True, True, True)] * 2
+    assert graph_calls == eager.calls
+    plan = planner.optimize(
+        copy.deepcopy(call.model), call.args, example_kwargs=call.kwargs, budget_bytes=2**40
+    )
+    assert plan.module is not None
+    assert_same_step(
+        one_step(call.model, call.args, kwargs=call.kwargs),
+        one_step(plan.module, call.args, kwargs=call.kwargs),
+    )

@@ -20,8 +20,12 @@ formula PyTorch ships:
 - `device_type="cpu"`: whatever `torch._fused_sdp_choice` picks for the same call on the CPU (asked on
   stand-ins with one batch row); its flash kernel, or nothing to change when it picks math (dropout).
 
-Calls with `enable_gqa=True` are left to the math path. Planning on real tensors needs none of this:
-the real kernel runs.
+A call with `enable_gqa=True` (grouped key-value heads; NOTE [grouped heads] in
+planner/capture/attention_masks.py) is planned with its key and value heads repeated first, as
+Hugging Face's `repeat_kv` does: the fused kernels then save the repeated heads, where a GPU's grouped
+kernels save the unrepeated ones, so its saved bytes are an upper bound. Left to the math path it
+would count the scores instead, gigabytes a layer at long sequences. Planning on real tensors needs
+none of this: the real kernel runs.
 """
 
 from __future__ import annotations
@@ -101,6 +105,19 @@ def _cuda_attention(call: dict[str, Any]) -> torch.Tensor | None:
     )[0]
 
 
+def _ungrouped(call: dict[str, Any]) -> dict[str, Any]:
+    """`call` with each key and value head repeated for the query heads it serves (the module
+    docstring says why)."""
+    query_heads, key_heads = call["query"].shape[-3], call["key"].shape[-3]
+    repeats = query_heads // key_heads
+    return {
+        **call,
+        "key": call["key"].repeat_interleave(repeats, dim=-3),
+        "value": call["value"].repeat_interleave(repeats, dim=-3),
+        "enable_gqa": False,
+    }
+
+
 def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
     """An uninitialised CPU tensor like `tensor`, with one batch row where it has four dimensions."""
     shape = (1, *tensor.shape[1:]) if tensor.dim() == 4 else tuple(tensor.shape)
@@ -154,8 +171,10 @@ class planned_attention(TorchFunctionMode):  # noqa: N801 - used as a context ma
         if func not in _SDPA_CALLS:
             return func(*args, **kwargs)
         call = _bound(args, kwargs)
-        if not call["query"].is_meta or call["enable_gqa"]:
+        if not call["query"].is_meta:
             return func(*args, **kwargs)
+        if call["enable_gqa"]:
+            call = _ungrouped(call)
         if self.device_type == "cuda":
             fused = _cuda_attention(call)
             return func(*args, **kwargs) if fused is None else fused

@@ -18,20 +18,29 @@ WIDTH = HEADS * HEAD_SIZE
 class Attention(nn.Module):
     """One multi-head attention layer on F.scaled_dot_product_attention, optionally masked."""
 
-    def __init__(self, *, dropout: float = 0.0, masked: bool = False) -> None:
+    def __init__(self, *, dropout: float = 0.0, masked: bool = False, grouped: bool = False) -> None:
         super().__init__()
         self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
         self.out = nn.Linear(WIDTH, WIDTH)
         self.dropout = dropout
         self.masked = masked
+        self.grouped = grouped
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, HEAD_SIZE)).permute(2, 0, 3, 1, 4)
+        if self.grouped:  # half as many key-value heads, each serving two query heads
+            k, v = k[:, : HEADS // 2], v[:, : HEADS // 2]
         mask = None
         if self.masked:
             mask = torch.ones(SEQUENCE, SEQUENCE, dtype=torch.bool, device=x.device).tril()
         attended = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout, is_causal=not self.masked
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout,
+            is_causal=not self.masked,
+            enable_gqa=self.grouped,
         )
         return self.out(attended.transpose(1, 2).flatten(2))
 
@@ -81,3 +90,13 @@ def test_a_masked_call_planned_for_a_gpu_uses_memory_efficient_attention() -> No
     with sdpa_kernel(SDPBackend.MATH):
         math_path = _graph(*_build(True, masked=True), "h100")
     assert masked.baseline_peak_bytes < math_path.baseline_peak_bytes
+
+
+def test_grouped_heads_planned_for_a_gpu_save_no_scores() -> None:
+    """`enable_gqa=True` (what NOTE [grouped heads] makes of Hugging Face's repeated heads) is planned on
+    the fused kernel with the key-value heads repeated, not on the math path."""
+    grouped = _graph(*_build(True, grouped=True), "h100")
+    assert max(grouped.graph.storage_bytes.values()) < SCORES_BYTES
+    with sdpa_kernel(SDPBackend.MATH):
+        math_path = _graph(*_build(True, grouped=True), "h100")
+    assert max(math_path.graph.storage_bytes.values()) >= SCORES_BYTES

@@ -13,10 +13,13 @@ float one in every call and saves it for backward, so the captured module held o
 attention layer more than the model: 135,200 bytes (two 4 x 1 x 65 x 65 masks) on zoo_real's `hf_vit`,
 and a batch x sequence x sequence float32 tensor per layer on GPT-2. So, after export, each attention
 mask that depends on no input's values, parameter or buffer (only on sizes, through `sym_size`) is
-evaluated at the example's sizes and at two other sets of sizes: one that is all True (or all zero,
-for an additive float mask) at every evaluation is dropped, and one that is the causal lower triangle
-of a square attention at every evaluation becomes `is_causal=True`, as the model runs it in eager. Any
-other mask, and any mask an input's values reach (a padding `attention_mask`), stays as traced.
+evaluated at the example's sizes and at two other sets of sizes: a bool mask that is all True at every
+evaluation is dropped, and one that is the causal lower triangle of a square attention at every
+evaluation becomes `is_causal=True`, as the model runs it in eager. Any other mask, and any mask an
+input's values reach (a padding `attention_mask`), stays as traced. An additive float mask of zeros
+stays too: the model makes such masks itself (T5's cross-attention adds its zero position bias to the
+encoder's mask), and on a GPU attention with a mask may take another kernel, with other dropout draws,
+than attention without one (NOTE [grouped heads]).
 
 NOTE [grouped heads]: where Hugging Face passes no mask, it also lets attention repeat grouped key and
 value heads itself (`enable_gqa=True`, `use_gqa_in_sdpa` in transformers' sdpa_attention.py: no mask and
@@ -208,10 +211,8 @@ def _run(ancestors: list[fx.Node], mask: fx.Node, sizes: Mapping[fx.Node, int]) 
 
 
 def _masks_nothing(mask: torch.Tensor) -> bool:
-    """A bool mask of all True, or an additive float mask of all zeros, changes no attention weight."""
-    if mask.dtype == torch.bool:
-        return bool(mask.all())
-    return mask.is_floating_point() and bool((mask == 0).all())
+    """A bool mask of all True (what a trace materialises for a mask the model skips)."""
+    return mask.dtype == torch.bool and bool(mask.all())
 
 
 def _is_causal_triangle(mask: torch.Tensor) -> bool:

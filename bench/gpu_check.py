@@ -15,7 +15,11 @@ one H100, nothing downloaded) and writes `bench/results/gpu_check.json`:
    and reserved peak (simulation/reserved.py) against `max_memory_allocated` and `max_memory_reserved` of
    two real steps of `plan.module`, less what other tensors held on the device when they began (the
    cuBLAS workspaces of part 1 among them: the prediction leaves them out; NOTE [other tensors on the
-   device] in planner/profiler/measurement.py).
+   device] in planner/profiler/measurement.py). Under the default allocator each plan also trains one
+   step beside the model (same seed, dropout included): `step_mismatch` says what differed, or is null.
+   The kernels a GPU picks, and so their dropout draws, follow how each operator is called, so a
+   captured module can train otherwise on a GPU than on the CPU (NOTE [grouped heads] in
+   planner/capture/attention_masks.py: zoo_real's Llama did, found by bench.compare on an H100).
 3. `node_times`: per-node forward times measured on the GPU against the analytic roofline of the card
    (planner/profiler/cost_model.py), as the median and spread of their ratio.
 
@@ -47,9 +51,11 @@ from typing import Any
 import torch
 
 import planner
+from bench.peers import GRADIENT_RTOL
 from planner.ir import BudgetKind
 from planner.profiler.cost_model import DEVICES, cublas_workspace_bytes, device_spec
 from planner.simulation.reserved import predict_reserved
+from planner.testing.steps import buffer_mismatch, gradient_mismatch, one_step
 from planner.zoo import FIDELITY_ZOO, build_model
 
 log = logging.getLogger("bench.gpu_check")
@@ -137,6 +143,16 @@ def _measured(plan: planner.Plan, call: Call, device: torch.device) -> dict[str,
     }
 
 
+def _step_mismatch(plan: planner.Plan, call: Call) -> str | None:
+    """What differs between one step of `plan.module` and one of the model (copies of both, same seed),
+    or None: loss and gradients to `GRADIENT_RTOL` of their scale, buffers bitwise."""
+    assert plan.module is not None
+    kwargs = call.kwargs or None
+    expected = one_step(call.model, call.args, kwargs=kwargs)
+    actual = one_step(plan.module, call.args, kwargs=kwargs)
+    return gradient_mismatch(expected, actual, rtol=GRADIENT_RTOL) or buffer_mismatch(expected, actual)
+
+
 @contextmanager
 def _recorded(path: Path | None, device: torch.device) -> Iterator[None]:
     """With `path` on CUDA: the allocator's history of what runs inside, written as a memory snapshot
@@ -176,6 +192,7 @@ def _rows(
                     assert snapshots is not None
                     (snapshots / f"{call.name}_plan.json").write_text(plan.to_json())
                 snapshot = snapshots / f"{call.name}_measured.pickle" if recorded and snapshots else None
+                step_mismatch = None if conf else _step_mismatch(plan, call)
                 with _recorded(snapshot, device):
                     measured = _measured(plan, call, device)
                 allocated = measured["allocated_bytes"]
@@ -191,15 +208,18 @@ def _rows(
                     "allocated_error": (plan.predicted_peak_bytes - allocated) / allocated,
                     "fits": allocated <= budget,
                 }
+                if not conf:
+                    row["step_mismatch"] = step_mismatch
                 if measured["reserved_bytes"] is not None:
                     row["reserved_error"] = (predicted_reserved - measured["reserved_bytes"]) / measured[
                         "reserved_bytes"
                     ]
                 rows.append(row)
+                otherwise = f"; trains otherwise: {step_mismatch}" if step_mismatch else ""
                 log.info(
-                    "%s %s f=%.1f: predicted %d, measured %d (%+.2f %%)",
+                    "%s %s f=%.1f: predicted %d, measured %d (%+.2f %%)%s",
                     call.name, conf or "default", fraction, plan.predicted_peak_bytes, allocated,
-                    100 * row["allocated_error"],
+                    100 * row["allocated_error"], otherwise,
                 )  # fmt: skip
     return rows
 
@@ -288,9 +308,12 @@ def _failure(name: str, part: str, error: BaseException) -> dict[str, str]:
 
 def _summary(rows: list[dict], started: float) -> dict[str, Any]:
     errors = [abs(row["allocated_error"]) for row in rows]
+    stepped = [row for row in rows if "step_mismatch" in row]
     return {
         "rows": len(rows),
         "fit": sum(row["fits"] for row in rows),
+        "stepped": len(stepped),
+        "trained_as_the_model": sum(row["step_mismatch"] is None for row in stepped),
         "worst_allocated_error": max(errors, default=None),
         "worst_reserved_error": max(
             (abs(row["reserved_error"]) for row in rows if "reserved_error" in row), default=None
@@ -354,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     arguments.out.write_text(json.dumps(document, indent=1))
     print(json.dumps(document["summary"]))
     print(f"wrote {arguments.out}", file=sys.stderr)
-    return 1 if document["failures"] else 0
+    summary = document["summary"]
+    return 1 if document["failures"] or summary["trained_as_the_model"] < summary["stepped"] else 0
 
 
 if __name__ == "__main__":

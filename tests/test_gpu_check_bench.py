@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
+import planner
 from bench import gpu_check
+from planner.zoo import build_model
 
 
 def test_the_gpu_check_runs_its_cpu_part_and_says_what_it_skipped(tmp_path: Path) -> None:
@@ -26,3 +30,18 @@ def test_the_gpu_check_runs_its_cpu_part_and_says_what_it_skipped(tmp_path: Path
         assert abs(row["allocated_error"]) <= 0.02
         assert row["predicted_reserved_bytes"] >= row["predicted_allocator_allocated_bytes"]
     assert document["summary"]["fit"] == len(rows) == 2
+    (default,) = [row for row in rows if row["allocator"] == "default"]
+    assert default["step_mismatch"] is None, "the plan trains as the model"
+    assert (document["summary"]["stepped"], document["summary"]["trained_as_the_model"]) == (1, 1)
+
+
+def test_a_plan_that_trains_otherwise_than_its_model_is_reported() -> None:
+    model, inputs = build_model("seed000_mlp")
+    plan = planner.optimize(model, inputs, budget_bytes=2**40)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        next(other.parameters()).add_(1.0)
+    call = gpu_check.Call("seed000_mlp", model, inputs, {})
+    assert gpu_check._step_mismatch(plan, call) is None
+    mismatch = gpu_check._step_mismatch(plan, dataclasses.replace(call, model=other))
+    assert mismatch is not None

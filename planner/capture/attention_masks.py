@@ -245,7 +245,7 @@ def _group_repeated_heads(attention: fx.Node) -> list[fx.Node]:
     [grouped heads]); returns the repeats' nodes, unused now, or nothing where it changed nothing."""
     key_repeat = _repeat_kv(attention.args[KEY_ARGUMENT])
     value_repeat = _repeat_kv(attention.args[VALUE_ARGUMENT])
-    if key_repeat is None or value_repeat is None or key_repeat.shape != value_repeat.shape:
+    if key_repeat is None or value_repeat is None or key_repeat.grouping != value_repeat.grouping:
         return []
     if key_repeat.size > GROUPED_HEAD_SIZE_LIMIT:
         return []
@@ -266,7 +266,8 @@ class Repeat:
     nodes: tuple[fx.Node, ...]
 
     @property
-    def shape(self) -> tuple[int, int]:
+    def grouping(self) -> tuple[int, int]:
+        """How many query heads each head serves, and its size: key and value must agree on both."""
         return self.count, self.size
 
 
@@ -286,12 +287,13 @@ def _repeat_kv(node: Any) -> Repeat | None:
         return None
     chain.append(unsqueeze)
     heads = _through_full_slices(unsqueeze.args[0], chain)
-    shapes = [_shape(candidate) for candidate in (heads, expand, node)] if heads is not None else []
-    if heads is None or shapes[0] is None or shapes[1] is None or shapes[2] is None:
+    if heads is None:
         return None
-    source, expanded, reshaped = shapes[0], shapes[1], shapes[2]
-    count = expanded[2] if len(expanded) == 5 else None
-    if len(source) != 4 or not isinstance(count, int) or count < 2:
+    source, expanded, reshaped = _shape(heads), _shape(expand), _shape(node)
+    if source is None or expanded is None or reshaped is None or len(source) != 4 or len(expanded) != 5:
+        return None
+    count = expanded[2]
+    if not isinstance(count, int) or count < 2:
         return None
     batch, head_count, sequence, size = source
     if not isinstance(size, int) or not _same(expanded, (batch, head_count, count, sequence, size)):

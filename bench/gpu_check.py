@@ -15,8 +15,12 @@ one H100, nothing downloaded) and writes `bench/results/gpu_check.json`:
    and reserved peak (simulation/reserved.py) against `max_memory_allocated` and `max_memory_reserved` of
    two real steps of `plan.module`, less what other tensors held on the device when they began (the
    cuBLAS workspaces of part 1 among them: the prediction leaves them out; NOTE [other tensors on the
-   device] in planner/profiler/measurement.py). Under the default allocator each plan also trains one
-   step beside the model (same seed, dropout included): `step_mismatch` says what differed, or is null.
+   device] in planner/profiler/measurement.py), and where the prediction puts its peak (each phase's,
+   the node, the bytes by component) beside the measured phases; `workspaces` lists each model's
+   forward workspaces as profiled on the card, the first suspect where a prediction runs above its
+   measurement (Hugging Face models by 10 to 27 KB on an H100). Under the default allocator each plan
+   also trains one step beside the model (same seed, dropout included): `step_mismatch` says what
+   differed, or is null.
    The kernels a GPU picks, and so their dropout draws, follow how each operator is called, so a
    captured module can train otherwise on a GPU than on the CPU (NOTE [grouped heads] in
    planner/capture/attention_masks.py: zoo_real's Llama did, found by bench.compare on an H100).
@@ -52,7 +56,7 @@ import torch
 
 import planner
 from bench.peers import GRADIENT_RTOL
-from planner.ir import BudgetKind
+from planner.ir import ActivationGraph, BudgetKind
 from planner.profiler.cost_model import DEVICES, cublas_workspace_bytes, device_spec
 from planner.simulation.reserved import predict_reserved
 from planner.testing.steps import buffer_mismatch, gradient_mismatch, one_step
@@ -143,6 +147,28 @@ def _measured(plan: planner.Plan, call: Call, device: torch.device) -> dict[str,
     }
 
 
+def _predicted_shape(plan: planner.Plan) -> dict[str, Any]:
+    """Where the prediction puts the peak, to set beside the measured phases: each phase's peak, the
+    node at the overall peak, and the bytes there by component."""
+    phases: dict[str, int] = {}
+    for step in plan.simulation.trace:
+        phases[step.phase.value] = max(phases.get(step.phase.value, 0), step.live_bytes)
+    return {
+        "predicted_phase_bytes": phases,
+        "predicted_peak_node": plan.simulation.peak_node,
+        "predicted_breakdown": {
+            str(component): size for component, size in plan.simulation.breakdown.items()
+        },
+    }
+
+
+def _forward_workspaces(graph: ActivationGraph) -> dict[str, int]:
+    """Each node's forward workspace as profiled: on CUDA, what the allocator rose beyond the storages
+    the tracker saw (NOTE [library workspaces] in planner/profiler/records.py), the first suspect where
+    a GPU prediction runs above its measurement."""
+    return {node.name: node.forward_workspace_bytes for node in graph.nodes if node.forward_workspace_bytes}
+
+
 def _step_mismatch(plan: planner.Plan, call: Call) -> str | None:
     """What differs between one step of `plan.module` and one of the model (copies of both, same seed),
     or None: loss and gradients to `GRADIENT_RTOL` of their scale, buffers bitwise."""
@@ -170,7 +196,7 @@ def _recorded(path: Path | None, device: torch.device) -> Iterator[None]:
 
 def _rows(
     call: Call, device: torch.device, fractions: tuple[float, ...], snapshots: Path | None = None
-) -> list[dict]:
+) -> tuple[list[dict], dict[str, int]]:
     """One row per allocator setting and budget for `call` (see the module docstring, part 2); with
     `snapshots`, the default allocator's middle budget leaves `<model>_measured.pickle` (the measured
     steps' allocator history) and `<model>_plan.json` (the plan, its graph included) there."""
@@ -206,6 +232,7 @@ def _rows(
                     "predicted_reserved_bytes": predicted_reserved,
                     "measured": measured,
                     "allocated_error": (plan.predicted_peak_bytes - allocated) / allocated,
+                    **_predicted_shape(plan),
                     "fits": allocated <= budget,
                 }
                 if not conf:
@@ -221,7 +248,7 @@ def _rows(
                     call.name, conf or "default", fraction, plan.predicted_peak_bytes, allocated,
                     100 * row["allocated_error"], otherwise,
                 )  # fmt: skip
-    return rows
+    return rows, _forward_workspaces(profiled.graph)
 
 
 def _device_facts(device: torch.device) -> dict[str, Any]:
@@ -352,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": facts,
         "ran_on": str(device),
         "rows": [],
+        "workspaces": {},
         "failures": [],
         "not_run": [],
     }
@@ -364,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             for call in _calls((name,), device):
-                document["rows"].extend(_rows(call, device, fractions, arguments.snapshots))
+                rows, workspaces = _rows(call, device, fractions, arguments.snapshots)
+                document["rows"].extend(rows)
+                document["workspaces"][call.name] = workspaces
         except Exception as error:  # noqa: BLE001 - one model's failure is a finding, not the end of the run
             document["failures"].append(_failure(name, "rows", error))
         document["summary"] = _summary(document["rows"], started)

@@ -30,6 +30,15 @@ def test_the_gpu_check_runs_its_cpu_part_and_says_what_it_skipped(tmp_path: Path
         assert abs(row["allocated_error"]) <= 0.02
         assert row["predicted_reserved_bytes"] >= row["predicted_allocator_allocated_bytes"]
     assert document["summary"]["fit"] == len(rows) == 2
+    for row in rows:  # each phase predicted as measured, the replay's inside backward's
+        predicted, measured_phases = row["predicted_phase_bytes"], row["measured"]["phase_bytes"]
+        replayed = max(predicted["backward"], predicted.get("recompute", 0))
+        assert measured_phases == {
+            "forward": predicted["forward"],
+            "backward": replayed,
+            "optimizer step": predicted["optimizer step"],
+        }
+    assert document["workspaces"] == {"seed000_mlp": {}}, "no library workspace off CUDA"
     (default,) = [row for row in rows if row["allocator"] == "default"]
     assert default["step_mismatch"] is None, "the plan trains as the model"
     assert (document["summary"]["stepped"], document["summary"]["trained_as_the_model"]) == (1, 1)

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from planner.ir import ActivationGraph, Phase
-from planner.simulation.step import simulate, stops_before_outputs, store_everything
+from planner.simulation.replay import stops_before_outputs
+from planner.simulation.step import simulate, store_everything
 
 __all__ = ["MeasuredPeaks", "calibrate_workspace"]
 

@@ -37,7 +37,8 @@ from planner.report.levers import (
     render_levers,
 )
 from planner.report.naming import describe_region, display_module
-from planner.simulation.step import selective_overhead_ms, store_everything
+from planner.simulation.replay import selective_overhead_ms
+from planner.simulation.step import store_everything
 
 if TYPE_CHECKING:
     from planner.solvers.solved_plan import CompiledStep, SolvedPlan

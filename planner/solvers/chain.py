@@ -60,18 +60,20 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from planner.ir import ActivationGraph, Region, RegionPolicy
-from planner.simulation.step import (
+from planner.simulation.replay import (
     LiveBytes,
-    backward_workspace,
     cache_name,
     cached_creates,
-    cached_storages,
     checkpoint_overhead_ms,
+    replay_region,
+    replay_workspace_bytes,
+)
+from planner.simulation.step import (
+    backward_workspace,
+    cached_storages,
     held_storages,
     recompute_trigger,
     region_inputs,
-    replay_region,
-    replay_workspace_bytes,
     storage_sizes,
 )
 

@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from planner.ir import Region, RegionPolicy, Schedule, merge_stored
-from planner.simulation.step import recompute_trigger, replay_stop, selective_overhead_ms
+from planner.simulation.replay import replay_stop, selective_overhead_ms
+from planner.simulation.step import recompute_trigger
 from planner.solvers.chain import Chain, RegionCost, RegionCostSummary, State, keep_effect
 from planner.solvers.dp import CostTable, least_recompute
 from planner.solvers.region_costs import RegionCosts

@@ -11,13 +11,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from planner.ir import Region, RegionPolicy
-from planner.simulation.step import (
-    checkpoint_overhead_ms,
-    held_storages,
-    recompute_trigger,
-    region_inputs,
-    replay_stop,
-)
+from planner.simulation.replay import checkpoint_overhead_ms, replay_stop
+from planner.simulation.step import held_storages, recompute_trigger, region_inputs
 from planner.solvers.chain import (
     Chain,
     RegionCost,

@@ -13,7 +13,8 @@ import pytest
 
 import planner.solvers as planner_solvers
 from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
-from planner.simulation.step import recompute_trigger, simulate, stops_before_outputs, store_everything
+from planner.simulation.replay import stops_before_outputs
+from planner.simulation.step import recompute_trigger, simulate, store_everything
 from planner.solvers import _tables, lowest_peak, solve
 from planner.solvers.chain import keep_effect, region_cost
 from planner.solvers.ilp import DETERMINISTIC_SECONDS, _allowed_keeps, _load_cp_model, ilp_schedule, keepable

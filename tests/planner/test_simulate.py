@@ -9,8 +9,9 @@ import pytest
 from planner.ir import ActivationGraph, Phase, Region, RegionPolicy, Schedule, SimulationResult
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
 from planner.simulation.allocator import replay
+from planner.simulation.replay import checkpoint_overhead_ms
 from planner.simulation.reserved import allocation_events
-from planner.simulation.step import checkpoint_overhead_ms, simulate, store_everything
+from planner.simulation.step import simulate, store_everything
 from planner.solvers.chain import build_chain, region_cost
 from planner.testing.synthetic_graphs import MIB, chain_graph, with_selective_price
 

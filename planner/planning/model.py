@@ -68,6 +68,7 @@ from planner.planning.arguments import (
     sharding_of,
     training_step_of,
 )
+from planner.planning.fsdp_units import fsdp_units
 from planner.planning.graph import Frontier, pareto_frontier, plan_graph
 from planner.planning.plan import Plan
 from planner.planning.tensor_parallel import (
@@ -78,8 +79,7 @@ from planner.planning.tensor_parallel import (
 from planner.profiler.cost_model import DeviceSpec, device_spec
 from planner.profiler.interpreter import LOSS_NODE, build_activation_graph
 from planner.profiler.measurement import OptimizerSpec, default_loss
-from planner.profiler.sharding import FsdpUnit, FsdpUnits, shard_graph
-from planner.report.blocks import longest_block_stack
+from planner.profiler.sharding import shard_graph
 from planner.rewrite.emit import (
     AUTOCAST_DEVICES,
     add_forward_pre_hook,
@@ -104,7 +104,6 @@ __all__ = [
     "FSDP_UNITS_REASON",
     "Profile",
     "ProfileSettings",
-    "fsdp_units",
     "profile",
 ]
 
@@ -543,65 +542,3 @@ def _check_units(model: torch.nn.Module, graph: ActivationGraph, reason: str) ->
             f"{[node.module_path for node in units][:6]} (one must be called once per step and carry no "
             "hooks)"
         )
-
-
-def fsdp_units(
-    model: torch.nn.Module,
-    *,
-    world_size: int,
-    counting: MemoryCounting = MemoryCounting.BLOCKS,
-    reshard_after_forward: bool = True,
-) -> FsdpUnits:
-    """The units `fully_shard` makes of `model` when applied to each block of its longest
-    ModuleList/Sequential and then to the model (the root: the parameters outside the blocks, or the
-    whole model when it has no block stack), with what each holds unsharded on one of `world_size`
-    ranks (NOTE [FSDP2 per rank] in profiler/sharding.py)."""
-    stack = longest_block_stack(model)
-    prefix = f"{stack[0]}." if stack is not None and stack[0] else ""
-    seen: set[int] = set()
-    blocks = tuple(
-        _fsdp_unit(f"{prefix}{number}", parameters, world_size, counting)
-        for number, block in enumerate(list(stack[1]) if stack is not None else [])
-        if (parameters := _new_parameters(block, seen))  # a block without parameters gathers nothing
-    )
-    root = _fsdp_unit("", _new_parameters(model, seen), world_size, counting)
-    unsharded_bytes = sum(unit.parameter_bytes for unit in (root, *blocks))
-    return FsdpUnits(
-        root=root, blocks=blocks, reshard_after_forward=reshard_after_forward, unsharded_bytes=unsharded_bytes
-    )
-
-
-def _new_parameters(module: torch.nn.Module, seen: set[int]) -> list[torch.nn.Parameter]:
-    """`module`'s parameters not already in `seen` (tied weights belong to the first unit)."""
-    found = [parameter for parameter in module.parameters() if id(parameter) not in seen]
-    seen.update(id(parameter) for parameter in found)
-    return found
-
-
-def _fsdp_unit(
-    module_path: str, parameters: list[torch.nn.Parameter], world_size: int, counting: MemoryCounting
-) -> FsdpUnit:
-    """One unit: each parameter unsharded, its dim-0 shards padded to an even split
-    (`_chunk_with_empty` in torch/distributed/fsdp/_fully_shard/_fsdp_common.py) and one flat buffer
-    of world_size of them."""
-    padded_shard_bytes = [_padded_shard_bytes(parameter, world_size) for parameter in parameters]
-    local_shard_bytes = [
-        min(padded, parameter.numel() * parameter.element_size())
-        for padded, parameter in zip(padded_shard_bytes, parameters, strict=True)
-    ]
-    gathered_bytes = world_size * sum(padded_shard_bytes)
-    return FsdpUnit(
-        module_path=module_path,
-        parameter_bytes=sum(counting.of(p.numel() * p.element_size()) for p in parameters),
-        gathered_bytes=counting.of(gathered_bytes) if gathered_bytes else 0,
-        shard_bytes=sum(counting.of(size) for size in padded_shard_bytes if size),
-        reduced_bytes=counting.of(sum(padded_shard_bytes)) if padded_shard_bytes else 0,
-        local_shard_bytes=sum(counting.of(size) for size in local_shard_bytes if size),
-    )
-
-
-def _padded_shard_bytes(parameter: torch.nn.Parameter, world_size: int) -> int:
-    """One rank's dim-0 shard of `parameter`, padded to ceil(rows / world_size) rows."""
-    rows = parameter.shape[0] if parameter.dim() > 0 else 1
-    row_bytes = parameter.numel() * parameter.element_size() // max(rows, 1)
-    return -(-rows // world_size) * row_bytes

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import planner
-from planner.planning.model import fsdp_units
+from planner.planning.fsdp_units import fsdp_units
 from planner.testing.zoo_real import build_call
 from planner.zoo import build_model
 

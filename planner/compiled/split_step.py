@@ -45,6 +45,21 @@ no plan without it fits the budget (`SplitProfile.plan`), and the summary names 
 checkpoint of one child call stays in the graph dynamo compiles, with the compiled step's numbers.
 The price is memory: that model's lowest peak without the whole call was 38.4 MB against 28.9 with
 it, so budgets between the two get the whole call and its own masks.
+
+NOTE [hand fallback]: a split step's plans are predicted for the eager step, and compiled they measure
+otherwise, by up to a fifth in either direction, so the plan predicted lowest need not measure lowest.
+On four residual convolution blocks with BatchNorm whose second checks for NaN (tests/planner/
+test_compiled_breaks.py), the solvers' lowest plan (regions cutting across blocks) and every block in a
+checkpoint of its own are both predicted at 1,853,440 bytes; compiled in a fresh process, the first
+measured 2,188,288 and the second 1,928,192, and `checkpoint_wrapper` on every block, compiled by hand,
+2,179,072. At 0.2 of the eager range (2,011,341 bytes) `optimize` refused the budget after its
+compilations, naming a minimum the hand method beats, where a schedule a user writes by hand fits. So
+before a split step's budget is refused, the schedules of the hand methods that can be written for its
+graph (`hand_schedules` in report/hand_checkpoints.py: sqrt(n) segments, every block of each numbered
+container; the calls of NOTE [eager draws] left whole) that were not compiled yet are compiled, lowest
+predicted peak first, and the first that measures within the budget is the plan, its summary naming the
+method. Where none does, `InfeasibleBudget` names the lowest peak predicted or measured. A refusal
+costs up to that many compilations more; a budget that fits costs nothing more.
 """
 
 from __future__ import annotations
@@ -52,7 +67,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -70,10 +85,12 @@ from planner.compiled.step import (
 )
 from planner.errors import InfeasibleBudget
 from planner.ir import GLUE_OP, ActivationGraph, BudgetKind, TrainingStep
+from planner.planning.graph import plan_schedule
 from planner.planning.model import Profile, profile
 from planner.planning.plan import Plan
 from planner.profiler.counting import current_counting
 from planner.profiler.measurement import OptimizerSpec
+from planner.report.hand_checkpoints import hand_schedules
 from planner.solvers.solved_plan import CompiledStep
 
 __all__ = [
@@ -181,38 +198,111 @@ def eager_draws(graph: ActivationGraph) -> dict[str, str]:
 
 def optimize_split(call: ExampleStep, planning: SplitPlanning, reasons: str, started_s: float) -> Plan:
     """NOTE [graph breaks]: the eager step planned, its plan compiled as it is and measured, and planned
-    again below the budget less the miss while the measurement exceeds the budget."""
+    again below the budget less the miss while the measurement exceeds the budget; where no plan fits,
+    the hand methods' schedules are compiled before the budget is refused (NOTE [hand fallback])."""
     log.warning("torch.compile breaks this step's graph (%s): planning the eager step", reasons)
     profiled = eager_profile(call, planning.optimizer, planning.step)
-    planning_s = time.perf_counter() - started_s
-    planned_bytes = planning.budget_bytes
-    measurements: list[int] = []
-    for attempt in range(1, MAX_ATTEMPTS + 1):
-        solving_s = time.perf_counter()
-        plan = profiled.plan(budget_bytes=planned_bytes, solver=planning.solver)
-        planning_s += time.perf_counter() - solving_s
-        assert plan.module is not None
-        module = compiled_pieces(plan.module if plan.schedule.checkpointed else call.model, call)
-        measured_bytes = checked_peak_bytes(plan, module, call)
-        if measured_bytes is not None:
-            measurements.append(measured_bytes)
-        if measured_bytes is None or measured_bytes <= planning.budget_bytes or attempt == MAX_ATTEMPTS:
-            break
-        planned_bytes = replanned_budget_bytes(plan, planning.budget_bytes, planned_bytes, measured_bytes)
-    raise_if_over(plan, planning.budget_bytes, measurements)
-    plan.module = module
+    profiling_s = time.perf_counter() - started_s
+    compilations = _Compilations(call, planning.budget_bytes)
+    try:
+        compiled, planned_bytes = _planned(profiled, planning, compilations)
+        hand_method = ""
+    except InfeasibleBudget as refusal:
+        compiled = _hand_fallback(profiled.refused, compilations, refusal)
+        planned_bytes, hand_method = planning.budget_bytes, compiled.plan.schedule.solver
+    plan = compiled.plan
+    plan.module = compiled.module
     plan.budget_bytes = planning.budget_bytes
     plan.compiled = CompiledStep(
         compile_s=time.perf_counter() - started_s,
-        planning_s=planning_s,
-        measured_peak_bytes=measured_bytes,
+        planning_s=profiling_s + sum(tried.solve_ms for tried in compilations.plans) / 1e3,
+        measured_peak_bytes=compiled.measured_bytes,
         planned_budget_bytes=planned_bytes,
-        attempts=attempt,
+        attempts=len(compilations.plans),
         graph_breaks=reasons,
         eager_draw_calls=tuple(sorted(profiled.eager_draws.values())),
         checkpointed_draw_calls=profiled.checkpointed_draws(plan),
+        hand_method=hand_method,
     )
     return plan
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A plan's module compiled, and the peak its example step measured (None where not measurable)."""
+
+    plan: Plan
+    module: torch.nn.Module
+    measured_bytes: int | None
+
+
+@dataclass
+class _Compilations:
+    """Every plan of one split step compiled so far, and what each measured (NOTE [checked budget])."""
+
+    call: ExampleStep
+    budget_bytes: int
+    plans: list[Plan] = field(default_factory=list)
+    measured_bytes: list[int] = field(default_factory=list)
+
+    def compile(self, plan: Plan) -> _Compiled:
+        """`plan`'s module compiled and measured; a plan that checkpoints nothing compiles the model
+        itself (NOTE [graph breaks])."""
+        assert plan.module is not None
+        module = compiled_pieces(plan.module if plan.schedule.checkpointed else self.call.model, self.call)
+        measured_bytes = checked_peak_bytes(plan, module, self.call)
+        self.plans.append(plan)
+        if measured_bytes is not None:
+            self.measured_bytes.append(measured_bytes)
+        return _Compiled(plan, module, measured_bytes)
+
+    def fits(self, compiled: _Compiled) -> bool:
+        return compiled.measured_bytes is None or compiled.measured_bytes <= self.budget_bytes
+
+
+def _planned(
+    profiled: SplitProfile, planning: SplitPlanning, compilations: _Compilations
+) -> tuple[_Compiled, int]:
+    """The solvers' plan that measured within the budget, and the budget it was planned under; raises
+    `InfeasibleBudget` where none did in `MAX_ATTEMPTS` compilations (NOTE [checked budget])."""
+    planned_bytes = planning.budget_bytes
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        compiled = compilations.compile(profiled.plan(budget_bytes=planned_bytes, solver=planning.solver))
+        if compilations.fits(compiled) or attempt == MAX_ATTEMPTS:
+            break
+        assert compiled.measured_bytes is not None
+        planned_bytes = replanned_budget_bytes(
+            compiled.plan, planning.budget_bytes, planned_bytes, compiled.measured_bytes
+        )
+    raise_if_over(compiled.plan, planning.budget_bytes, compilations.measured_bytes)
+    return compiled, planned_bytes
+
+
+def _hand_fallback(profile: Profile, compilations: _Compilations, refusal: InfeasibleBudget) -> _Compiled:
+    """NOTE [hand fallback]: the first hand method's schedule, by predicted peak, that measures within
+    the budget compiled; else `InfeasibleBudget` naming the lowest peak predicted or measured."""
+    tried = [plan.schedule.regions for plan in compilations.plans]
+    candidates = sorted(
+        (
+            plan_schedule(profile.graph, schedule, budget_bytes=compilations.budget_bytes)
+            for schedule in hand_schedules(profile.graph).values()
+            if schedule.regions not in tried
+        ),
+        key=lambda plan: plan.predicted_peak_bytes,
+    )
+    for plan in candidates:
+        log.warning(
+            "no plan of the solvers measured within the budget compiled; compiling the hand method '%s'",
+            plan.schedule.solver,
+        )
+        compiled = compilations.compile(profile.apply(plan))
+        if compilations.fits(compiled):
+            return compiled
+    raise InfeasibleBudget(
+        budget_bytes=compilations.budget_bytes,
+        min_peak_bytes=min([refusal.min_peak_bytes, *compilations.measured_bytes]),
+        breakdown=refusal.breakdown,
+    )
 
 
 class EagerSaving(CustomPartitionerFn):

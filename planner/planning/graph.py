@@ -32,6 +32,7 @@ __all__ = [
     "frontier_budgets",
     "pareto_frontier",
     "plan_graph",
+    "plan_schedule",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,18 @@ def plan_graph(
         solve_ms=solve_ms,
         budget_kind=kind,
         allocator_note=allocator_note,
+    )
+
+
+def plan_schedule(graph: ActivationGraph, schedule: Schedule, *, budget_bytes: int) -> Plan:
+    """A schedule made otherwise than by a solver (a hand method's) as a Plan of `graph` at `budget_bytes`,
+    without a module; its lowest peak is the solvers' (allocated bytes)."""
+    return Plan(
+        graph=graph,
+        schedule=schedule,
+        budget_bytes=budget_bytes,
+        min_peak_bytes=lowest_peak(graph)[1].peak_bytes,
+        budget_kind=BudgetKind.ALLOCATED,
     )
 
 

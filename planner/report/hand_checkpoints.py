@@ -10,13 +10,17 @@ planner's graph and simulating them shows why, in the same numbers and the same 
 - `each_node(graph)`: every operation in its own checkpoint, as seed 001 wrote it;
 - `whole_model(graph)`: one checkpoint around the whole forward, as `checkpoint_wrapper(model)` does;
 - `each_block(graph, "blocks")`: every block of a ModuleList/Sequential in a checkpoint of its own, as
-  Hugging Face's `gradient_checkpointing_enable()` does (the usual "per-block" baseline).
+  Hugging Face's `gradient_checkpointing_enable()` does (the usual "per-block" baseline);
+- `hand_schedules(graph)`: those a user could write for this graph that checkpoint something, for a
+  compiled split step to try before it says no plan fits (NOTE [hand fallback] in
+  compiled/split_step.py).
 
 Nodes that cannot be checkpointed (the loss) are stored, as in the real code. Torch-free.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ __all__ = [
     "each_block",
     "each_node",
     "equal_segments",
+    "hand_schedules",
     "render_comparison",
     "whole_model",
 ]
@@ -116,6 +121,21 @@ def baselines(graph: ActivationGraph) -> dict[str, Schedule]:
     container = main_container(graph)
     if container is not None:
         schedules[f"every block of {container or 'the model'} (Hugging Face)"] = each_block(graph, container)
+    return schedules
+
+
+def hand_schedules(graph: ActivationGraph) -> dict[str, Schedule]:
+    """The hand methods that can be written for `graph` and checkpoint something, by name: sqrt(n) equal
+    segments (`checkpoint_sequential`) and every block of each numbered container (`checkpoint_wrapper`
+    on each child); a schedule two methods share is named once."""
+    segments = max(1, round(math.sqrt(_body_end(graph))))
+    candidates = {f"sqrt(n) segments ({segments}, checkpoint_sequential)": equal_segments(graph, segments)}
+    for container in numbered_containers(graph):
+        candidates[f"every block of {container or 'the model'}"] = each_block(graph, container)
+    schedules: dict[str, Schedule] = {}
+    for name, schedule in candidates.items():
+        if schedule.checkpointed and all(schedule.regions != kept.regions for kept in schedules.values()):
+            schedules[name] = dataclasses.replace(schedule, solver=name)
     return schedules
 
 

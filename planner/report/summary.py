@@ -97,6 +97,11 @@ def _source_rows(plan: SolvedPlan) -> list[str]:
             f"  step ({_timing_note(plan.graph.timing)}),",
         ]
         rows += _eager_draw_rows(compiled)
+        if compiled.hand_method:
+            rows += [
+                f"  the schedule of a hand method, {compiled.hand_method}: no plan of the solvers measured",
+                "  within the budget compiled, and this one did,",
+            ]
     else:
         rows = [
             "  figures are predicted by the simulator from the joint graph inductor partitions "

@@ -67,6 +67,9 @@ class CompiledStep:
     checkpointed_draw_calls: tuple[str, ...] = ()
     """Of `eager_draw_calls`, those the plan checkpoints whole all the same: no plan without them fit
     the budget."""
+    hand_method: str = ""
+    """The hand method whose schedule the plan is, where no plan of the solvers measured within the
+    budget compiled and this one did (NOTE [hand fallback] in compiled/split_step.py)."""
 
 
 @dataclass

@@ -88,7 +88,10 @@ def test_a_plan_that_trains_otherwise_matches_no_peer_and_is_tallied_for_it() ->
     dp.gradients_equal = False
     assert report.matches_peer(dp, result.rows) is False, "within the peak and faster, but wrong"
     counts = report.tally([result], report.Mode.EAGER, "dp")
-    assert (counts.matched, counts.wrong_gradients, counts.slower, counts.over_peak) == (0, 1, 0, 0)
+    assert (counts.matched, counts.ours_trains_otherwise, counts.slower, counts.over_peak) == (0, 1, 0, 0)
+    dp.gradients_equal, dp.buffers_equal = True, False
+    assert report.matches_peer(dp, result.rows) is False, "BatchNorm statistics updated twice"
+    assert report.tally([result], report.Mode.EAGER, "dp").ours_trains_otherwise == 1
 
 
 def test_a_median_above_the_peer_is_slower_only_when_its_interval_is() -> None:
@@ -152,13 +155,18 @@ def test_the_tally_counts_matches_and_each_miss_by_its_first_reason() -> None:
     dp = report.tally([result], report.Mode.EAGER, "dp")
     assert (dp.comparisons, dp.matched, dp.matched_by_median) == (1, 1, 1)
     ilp = report.tally([result], report.Mode.EAGER, "ilp")
-    assert (ilp.comparisons, ilp.matched, ilp.wrong_gradients, ilp.over_peak) == (1, 0, 1, 0), "wrong first"
+    assert (ilp.comparisons, ilp.matched, ilp.ours_trains_otherwise, ilp.over_peak) == (1, 0, 1, 0), (
+        "wrong first"
+    )
     result.rows[3].gradients_equal = True
     assert (report.tally([result], report.Mode.EAGER, "ilp").over_peak, ilp.slower) == (1, 0)
     result.rows[1].gradients_equal = False
     result.rows[3].peak_bytes, result.rows[3].within_budget = 29 * MIB, True
     ilp = report.tally([result], report.Mode.EAGER, "ilp")
-    assert (ilp.over_peak, ilp.slower, ilp.misses_against_wrong_gradients) == (0, 1, 1)
+    assert (ilp.over_peak, ilp.slower, ilp.misses_against_other_training) == (0, 1, 1)
+    result.rows[1].gradients_equal, result.rows[1].buffers_equal = True, False
+    ilp = report.tally([result], report.Mode.EAGER, "ilp")
+    assert ilp.misses_against_other_training == 1, "a peer that updates BatchNorm twice trains otherwise"
     del result.rows[3]
     assert report.tally([result], report.Mode.EAGER, "ilp").no_plan == 1
     assert report.tally([result], report.Mode.COMPILED, "ilp").comparisons == 0

@@ -95,7 +95,9 @@ def _to(value: Any, device: torch.device) -> Any:
     return value
 
 
-def _calls(names: tuple[str, ...], device: torch.device) -> Iterator[Call]:
+def calls_on(names: tuple[str, ...], device: torch.device) -> Iterator[Call]:
+    """Each named zoo or real-zoo model and its example call, moved to `device` (a real-zoo entry whose
+    library is not installed is skipped, with a warning)."""
     from planner.testing.zoo_real import REAL_ZOO, build_call
 
     for name in names:
@@ -286,7 +288,7 @@ def _node_times(device: torch.device, names: tuple[str, ...]) -> dict[str, Any]:
         return {"skipped": "no CUDA device on this machine"}
     spec = device_spec("h100" if torch.cuda.get_device_capability(device)[0] >= 9 else "a100")
     report: dict[str, Any] = {"analytic_device": spec.name}
-    for call in _calls(names, device):
+    for call in calls_on(names, device):
         measured = planner.profile(call.model, call.args, example_kwargs=call.kwargs or None).graph
         analytic = planner.profile(
             call.model, call.args, example_kwargs=call.kwargs or None, cost_model="analytic", device=spec
@@ -391,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             document["not_run"].append(name)
             continue
         try:
-            for call in _calls((name,), device):
+            for call in calls_on((name,), device):
                 rows, workspaces = _rows(call, device, fractions, arguments.snapshots)
                 document["rows"].extend(rows)
                 document["workspaces"][call.name] = workspaces

@@ -51,6 +51,8 @@ DEFAULT_MODELS = ("gpt_tiny", "hf_bert", "unet")
 DEFAULT_OUT = Path("bench/results/region_overhead.json")
 MIN_ROUNDS = 7
 """Rounds timed however short `--seconds` is: the fewest whose median has a 95 % interval."""
+MAX_ROUNDS = 401
+"""Rounds timed at most, however long `--seconds` is."""
 
 
 def single_node_schedules(graph: ActivationGraph, probes: int) -> dict[str, Schedule]:
@@ -111,7 +113,9 @@ def measure_model(call: Call, *, probes: int, seconds: float) -> dict[str, Any]:
         for name, schedule in schedules.items()
     ]
     started = time.perf_counter()
-    rounds = interleaved_step_ms([baseline, *runners], rounds=MIN_ROUNDS, timing_s=seconds)
+    rounds = interleaved_step_ms(
+        [baseline, *runners], rounds=MIN_ROUNDS, timing_s=seconds, max_rounds=MAX_ROUNDS
+    )
     log.info(
         "%s: %d schedules, %d rounds in %.0f s",
         call.name,

@@ -12,6 +12,11 @@ planned at the peak `torch.compile`'s own recompute measures, is checked on its 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,10 +25,12 @@ from planner.compiled.optimize import plan_compiled_step
 from planner.ir import TrainingStep
 from planner.profiler.measurement import default_loss
 from planner.testing.compiled_models import COMPILED_CHECK_MODELS
+from planner.testing.hand_methods import hand_methods
 from planner.testing.steps import seeded_gradients
 from planner.testing.zoo_real import ExampleCall, build_call
 from tests.planner.compiled_steps import GRADIENT_RTOL, HUGE_BUDGET_BYTES, SEED
 
+REPOSITORY = Path(__file__).resolve().parents[2]
 PREDICTION_TOLERANCE = 0.02
 SIZES: dict[str, dict[str, int]] = {
     "encoder_vit": {"width": 64, "layers": 2, "batch": 4},
@@ -114,3 +121,44 @@ def test_a_budget_torch_compiles_own_recompute_fits_is_not_refused() -> None:
     assert plan.compiled.attempts == 1, plan.summary()
     _assert_trains_as(plan.module, planned, expected_loss, expected_gradients, "diffusers_unet")
     _assert_fits_as_predicted(plan, planned, budget, "diffusers_unet")
+
+
+HAND_METHOD_OF = {
+    "encoder_vit": "every MultiheadAttention",
+    "gpt2_dropout": "every GPT2Block",
+    "conv_dropout2d": "every Conv2d",
+}
+"""Per model, the hand method whose compiled step measured lowest of all that apply (one-off run,
+2026-11-27: the ViT's five measured 4.55 to 5.30 MiB, GPT-2's seven 4.17 to 5.01 MiB, the CNN's three
+2.34 to 3.34 MiB)."""
+
+
+@pytest.mark.parametrize("model", sorted(HAND_METHOD_OF))
+def test_no_compiled_hand_method_measures_below_our_lowest_compiled_peak(model: str) -> None:
+    """Issue 35's rule for `compile=True`: a budget below our lowest predicted compiled peak is refused as
+    impossible, so the lowest hand method, `checkpoint_wrapper` on every instance of a type and then
+    `torch.compile` as a user writes it, must measure at or above it (the CNN's every Conv2d measures
+    exactly our lowest). Each measured in a fresh process, as a user's first compilation is."""
+    script = f"from {__name__} import lowest_against_hand; lowest_against_hand({model!r})"
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPOSITORY)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    outcome = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert outcome["lowest_bytes"] <= outcome["hand_bytes"], outcome
+
+
+def lowest_against_hand(model: str) -> None:
+    """The body of the test above, for a fresh process: prints our lowest predicted compiled peak and the
+    hand method's measured one as a line of JSON."""
+    call = _call(model)
+    (method,) = [
+        found
+        for found in hand_methods(call.model, call.args, kwargs=call.kwargs)
+        if found.name == HAND_METHOD_OF[model]
+    ]
+    assert method.variant is not None, method.description
+    hand_bytes = _measured_peak_bytes(torch.compile(method.variant.module), call)
+    reference = plan_compiled_step(
+        call.model, call.args, call.kwargs, budget_bytes=HUGE_BUDGET_BYTES, optimizer="adam",
+        step=TrainingStep(), loss_fn=default_loss, solver="auto", device=None,
+    )  # fmt: skip
+    print(json.dumps({"lowest_bytes": reference.min_peak_bytes, "hand_bytes": hand_bytes}))

@@ -67,7 +67,8 @@ def test_a_split_step_budget_no_solver_plan_meets_is_met_by_a_hand_methods_sched
     measured 2,188,288 bytes), and `optimize` refused the budget naming a minimum that
     `checkpoint_wrapper` on every block, compiled by hand, beats (2,179,072). Now the schedule of every
     block checkpointed is compiled before a refusal: it measures within the budget, below the hand
-    method, trains as the compiled model does, and the summary names it.
+    method, trains as the compiled model does, and the summary names it. At the lowest predicted peak
+    nothing fits, and the refusal names the lowest peak a compilation measured, every block's.
 
     Run in a fresh process, as a user's first compilation is: what a process compiled before moves these
     measurements (docs/limits.md)."""
@@ -79,6 +80,8 @@ def test_a_split_step_budget_no_solver_plan_meets_is_met_by_a_hand_methods_sched
     assert outcome["hand_method"] == "every block of 0", outcome
     assert "the schedule of a hand method, every block of 0" in outcome["summary"], outcome
     assert outcome["loss_equal"] and outcome["gradient_error"] <= GRADIENT_RTOL, outcome
+    # At the lowest predicted peak no schedule fits; the refusal names what every block measured.
+    assert outcome["budget_at_lowest"] < outcome["refused_min_peak_bytes"] < outcome["hand_bytes"], outcome
 
 
 def plan_at_a_fifth() -> None:
@@ -108,7 +111,11 @@ def plan_at_a_fifth() -> None:
         "summary": plan.summary(),
         "loss_equal": torch.allclose(loss, expected_loss, rtol=GRADIENT_RTOL, atol=0.0),
         "gradient_error": ((gradients - expected).norm() / expected.norm()).item(),
+        "budget_at_lowest": eager.min_peak_bytes,
     }
+    with pytest.raises(planner.InfeasibleBudget) as refused:
+        planner.optimize(model, inputs, budget_bytes=eager.min_peak_bytes, solver="dp", compile=True)
+    outcome["refused_min_peak_bytes"] = refused.value.min_peak_bytes
     print(json.dumps(outcome))
 
 

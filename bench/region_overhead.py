@@ -100,6 +100,53 @@ def _row(graph: ActivationGraph, name: str, schedule: Schedule, extra_ms: list[f
     }
 
 
+def fitted_price(rows: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """The price per region and per operator that fits the measured rows best: least squares of each
+    row's measured checkpoint work (measured extra time less the predicted replay) on its regions and
+    operators, both prices at least 0; None for fewer than two rows."""
+    points = [
+        (
+            float(row["regions"]),
+            float(row["operators"]),
+            row["measured_extra_ms"] - (row["predicted_recompute_ms"] - row["predicted_checkpoint_work_ms"]),
+        )
+        for row in rows
+        if row["regions"]
+    ]
+    if len(points) < 2:
+        return None
+    candidates = [_least_squares(points, use_regions=True, use_operators=True)]
+    candidates += [_least_squares(points, use_regions=True, use_operators=False)]
+    candidates += [_least_squares(points, use_regions=False, use_operators=True)]
+    valid = [(call, op) for call, op in candidates if call >= 0 and op >= 0]
+    call_ms, op_ms = min(valid, key=lambda price: _squared_error(points, *price))
+    rms_ms = (_squared_error(points, call_ms, op_ms) / len(points)) ** 0.5
+    return {"call_ms": call_ms, "op_ms": op_ms, "rms_residual_ms": rms_ms}
+
+
+def _least_squares(
+    points: Sequence[tuple[float, float, float]], *, use_regions: bool, use_operators: bool
+) -> tuple[float, float]:
+    """(per region, per operator) minimising the squared error, with the unused price held at 0."""
+    rr = sum(r * r for r, _, _ in points)
+    oo = sum(o * o for _, o, _ in points)
+    ro = sum(r * o for r, o, _ in points)
+    ry = sum(r * y for r, _, y in points)
+    oy = sum(o * y for _, o, y in points)
+    if use_regions and use_operators:
+        determinant = rr * oo - ro * ro
+        if determinant <= 0:
+            return (-1.0, -1.0)
+        return ((ry * oo - oy * ro) / determinant, (oy * rr - ry * ro) / determinant)
+    if use_regions:
+        return (ry / rr, 0.0)
+    return (0.0, oy / oo)
+
+
+def _squared_error(points: Sequence[tuple[float, float, float]], call_ms: float, op_ms: float) -> float:
+    return sum((y - call_ms * r - op_ms * o) ** 2 for r, o, y in points)
+
+
 def measure_model(call: Call, *, probes: int, seconds: float) -> dict[str, Any]:
     """Every schedule of one model timed against no checkpointing, in the same interleaved rounds."""
     profile = planner.profile(call.model, call.args, example_kwargs=call.kwargs)
@@ -138,6 +185,7 @@ def measure_model(call: Call, *, probes: int, seconds: float) -> dict[str, Any]:
         "checkpoint_call_ms": graph.checkpoint_call_ms,
         "checkpoint_op_ms": graph.checkpoint_op_ms,
         "no_checkpointing_step_ms": statistics.median(baseline.step_ms),
+        "fitted_price": fitted_price(rows),
         "rows": rows,
     }
 
@@ -166,7 +214,7 @@ def markdown(document: dict[str, Any]) -> str:
             "",
             f"Capture {model['capture']}; no checkpointing {model['no_checkpointing_step_ms']:.2f} ms a "
             f"step; checkpoint's own work priced at {model['checkpoint_call_ms']:.3f} ms a region and "
-            f"{model['checkpoint_op_ms']:.4f} ms an operator.",
+            f"{model['checkpoint_op_ms']:.4f} ms an operator.{_fitted_text(model.get('fitted_price'))}",
             "",
             "| schedule | regions | operators | predicted ms (own work) | measured ms (95 % interval) | "
             "excess per region ms |",
@@ -181,6 +229,15 @@ def markdown(document: dict[str, Any]) -> str:
                 f"{row['measured_extra_ms']:.2f}{spread} | {row['excess_per_region_ms']:+.2f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _fitted_text(price: dict[str, float] | None) -> str:
+    if price is None:
+        return ""
+    return (
+        f" The rows fit best at {price['call_ms']:.3f} ms a region and {price['op_ms']:.4f} ms an operator "
+        f"(root mean square residual {price['rms_residual_ms']:.2f} ms)."
+    )
 
 
 def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:

@@ -3,10 +3,20 @@
 Every checkpointed region pays `torch.utils.checkpoint`'s own work once per step: saving and restoring
 the RNG state, its saved-tensor hooks, setting up and running the replay. On a CPU this is a fraction of
 a millisecond, as much as the forward of a small block, so ten small regions cost more than one region
-that replays the same operators. `measure_checkpoint_call_ms` measures it on the device over the same
-chain of tiny blocks (the time of a checkpointed step less a plain step and the replay's forward), as a
-part per call and a part per operator (its hooks run for every tensor the region saves); the planner
-charges both to every checkpointed region (`ActivationGraph.checkpoint_call_ms`, `checkpoint_op_ms`).
+that replays the same operators. `measure_checkpoint_cost` measures it on the device over the same
+chain of tiny blocks, as a part per call and a part per operator (its hooks run for every tensor the
+region saves); the planner charges both to every checkpointed region
+(`ActivationGraph.checkpoint_call_ms`, `checkpoint_op_ms`).
+
+NOTE [checkpoint's own work]: the per-call part is the chain checkpointed block by block less the same
+chain as one region, whose replays run the same operators, so the difference is checkpoint's own work
+alone; the per-operator part is one region less a plain step and its replay. Each is a median of
+per-round differences over interleaved rounds. It used to come from one region of one block against one
+of four, fastest round of each: that put most of the cost on the operators and varied from 0.0 to 0.12
+ms a call between processes on this project's CPU, where regions inside real steps cost 0.25 to 0.38 ms
+a region more than their replay (`python -m bench.region_overhead`, fitted per model on gpt_tiny, BERT
+and a U-Net). Measured so, the part per call is 0.22 to 0.27 ms and per operator 0.014 to 0.019 ms over
+four processes.
 
 A checkpointed region that keeps nodes (see NOTE [selective keeps] in simulation/step.py) runs under
 `create_selective_checkpoint_contexts`: a TorchDispatchMode that calls back into Python for every
@@ -26,8 +36,9 @@ of what a DenseNet's operators cost). The analytic cost model takes the device s
 from __future__ import annotations
 
 import functools
+import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,14 +150,14 @@ def _recompute_everything(context: Any, operator: Any, *args: Any, **kwargs: Any
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _step_s(device: torch.device, *, selective: bool, blocks: int = CHAIN_BLOCKS) -> float:
+def _step_s(device: torch.device, *, selective: bool) -> float:
     x, weights = _chain_inputs(device)
     options: dict[str, Any] = {}
     if selective:
         options["context_fn"] = lambda: create_selective_checkpoint_contexts(_recompute_everything)
     _synchronize(device)
     started = time.perf_counter()
-    checkpoint(_chain, x, weights, blocks, use_reentrant=False, **options).sum().backward()
+    checkpoint(_chain, x, weights, CHAIN_BLOCKS, use_reentrant=False, **options).sum().backward()
     _synchronize(device)
     return time.perf_counter() - started
 
@@ -172,36 +183,63 @@ class CheckpointCost:
     """Per operator of the region: checkpoint's Python hooks on each tensor it saves and unpacks."""
 
 
-def _checkpoint_overhead_s(device: torch.device, blocks: int) -> float:
-    """A checkpointed step of a chain of `blocks` less a plain step and one forward (the replay), the
-    fastest of interleaved rounds after a warm-up."""
-    for _ in range(2):
-        _step_s(device, selective=False, blocks=blocks)
-        _plain_step_s(device, backward=True, blocks=blocks)
-    checkpointed_s, plain_s, forward_s = [], [], []
-    for _ in range(TIMED_ROUNDS):
-        checkpointed_s.append(_step_s(device, selective=False, blocks=blocks))
-        plain_s.append(_plain_step_s(device, backward=True, blocks=blocks))
-        forward_s.append(_plain_step_s(device, backward=False, blocks=blocks))
-    return min(checkpointed_s) - min(plain_s) - min(forward_s)
+def _regions_step_s(device: torch.device, regions: int) -> float:
+    """Forward and backward of a chain of `CHAIN_BLOCKS` blocks cut into `regions` checkpoints of equal
+    length: every cut replays the same operators, so two cuts differ by checkpoint's own work alone."""
+    x, weights = _chain_inputs(device)
+    _synchronize(device)
+    started = time.perf_counter()
+    for _ in range(regions):
+        x = checkpoint(_chain, x, weights, CHAIN_BLOCKS // regions, use_reentrant=False)
+    x.sum().backward()
+    _synchronize(device)
+    return time.perf_counter() - started
+
+
+CHAIN_TIMINGS: dict[str, Callable[[torch.device], float]] = {
+    "block_regions": lambda device: _regions_step_s(device, CHAIN_BLOCKS),
+    "one_region": lambda device: _regions_step_s(device, 1),
+    "plain": lambda device: _plain_step_s(device, backward=True, blocks=CHAIN_BLOCKS),
+    "forward": lambda device: _plain_step_s(device, backward=False, blocks=CHAIN_BLOCKS),
+}
+"""The chain's steps `measure_checkpoint_cost` times, by name (`checkpoint_cost_from` reads them)."""
+PAIRED_ROUNDS = 25
+"""Rounds of the chain's steps `measure_checkpoint_cost` times, one of each per round."""
+
+
+def checkpoint_cost_from(timings_s: Mapping[str, Sequence[float]], *, operators: int) -> CheckpointCost:
+    """NOTE [checkpoint's own work]: the per-region part from a chain checkpointed block by block less
+    the same chain as one region (the same replay: `CHAIN_BLOCKS - 1` regions more), and the per-operator
+    part from one region less a plain step and its replay (a forward), over the chain's `operators`;
+    each a median of per-round differences, never below 0."""
+    rounds = zip(*(timings_s[name] for name in CHAIN_TIMINGS), strict=True)
+    by_round = [dict(zip(CHAIN_TIMINGS, values, strict=True)) for values in rounds]
+    call_s = statistics.median(t["block_regions"] - t["one_region"] for t in by_round) / (CHAIN_BLOCKS - 1)
+    region_s = statistics.median(t["one_region"] - t["plain"] - t["forward"] for t in by_round)
+    call_s = max(0.0, call_s)
+    per_operator_s = max(0.0, region_s - call_s) / operators
+    return CheckpointCost(call_ms=call_s * 1e3, per_operator_ms=per_operator_s * 1e3)
 
 
 @functools.cache
 def measure_checkpoint_cost(device: torch.device) -> CheckpointCost:
-    """Checkpoint's own time on `device`, from chains of one block and of `CHAIN_BLOCKS` blocks: the
-    per-operator part from the difference, the per-call part from what one block leaves over. On one
-    CPU thread (see `measure_selective_op_overhead_ms`); measured once per process and device."""
+    """Checkpoint's own time on `device` (`checkpoint_cost_from`), from `PAIRED_ROUNDS` interleaved
+    rounds of the chain's steps after a warm-up. On one CPU thread (see
+    `measure_selective_op_overhead_ms`); measured once per process and device."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        short_s = _checkpoint_overhead_s(device, 1)
-        long_s = _checkpoint_overhead_s(device, CHAIN_BLOCKS)
+        for _ in range(2):
+            for timed in CHAIN_TIMINGS.values():
+                timed(device)
+        timings_s: dict[str, list[float]] = {name: [] for name in CHAIN_TIMINGS}
+        for round_index in range(PAIRED_ROUNDS):
+            names = list(CHAIN_TIMINGS)
+            for name in names if round_index % 2 else reversed(names):
+                timings_s[name].append(CHAIN_TIMINGS[name](device))
     finally:
         torch.set_num_threads(threads)
-    short_operators, long_operators = _chain_operators(device, 1), _chain_operators(device, CHAIN_BLOCKS)
-    per_operator_s = max(0.0, (long_s - short_s) / (long_operators - short_operators))
-    call_s = max(0.0, short_s - per_operator_s * short_operators)
-    return CheckpointCost(call_ms=call_s * 1e3, per_operator_ms=per_operator_s * 1e3)
+    return checkpoint_cost_from(timings_s, operators=_chain_operators(device, CHAIN_BLOCKS))
 
 
 def _synchronize(device: torch.device) -> None:

@@ -162,11 +162,11 @@ def _step_s(device: torch.device, *, selective: bool) -> float:
     return time.perf_counter() - started
 
 
-def _plain_step_s(device: torch.device, *, backward: bool, blocks: int) -> float:
+def _plain_step_s(device: torch.device, *, backward: bool) -> float:
     x, weights = _chain_inputs(device)
     _synchronize(device)
     started = time.perf_counter()
-    output = _chain(x, weights, blocks)
+    output = _chain(x, weights)
     if backward:
         output.sum().backward()
     _synchronize(device)
@@ -199,8 +199,8 @@ def _regions_step_s(device: torch.device, regions: int) -> float:
 CHAIN_TIMINGS: dict[str, Callable[[torch.device], float]] = {
     "block_regions": lambda device: _regions_step_s(device, CHAIN_BLOCKS),
     "one_region": lambda device: _regions_step_s(device, 1),
-    "plain": lambda device: _plain_step_s(device, backward=True, blocks=CHAIN_BLOCKS),
-    "forward": lambda device: _plain_step_s(device, backward=False, blocks=CHAIN_BLOCKS),
+    "plain": lambda device: _plain_step_s(device, backward=True),
+    "forward": lambda device: _plain_step_s(device, backward=False),
 }
 """The chain's steps `measure_checkpoint_cost` times, by name (`checkpoint_cost_from` reads them)."""
 PAIRED_ROUNDS = 25
@@ -239,7 +239,7 @@ def measure_checkpoint_cost(device: torch.device) -> CheckpointCost:
                 timings_s[name].append(CHAIN_TIMINGS[name](device))
     finally:
         torch.set_num_threads(threads)
-    return checkpoint_cost_from(timings_s, operators=_chain_operators(device, CHAIN_BLOCKS))
+    return checkpoint_cost_from(timings_s, operators=_chain_operators(device))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -270,8 +270,8 @@ def measure_selective_op_overhead_ms(device: torch.device) -> float:
     return max(0.0, min(selective_s) - min(plain_s)) * 1e3 / _chain_operators(device)
 
 
-def _chain_operators(device: torch.device, blocks: int = CHAIN_BLOCKS) -> int:
+def _chain_operators(device: torch.device) -> int:
     counter = OperatorCounter()
     with counter:
-        _chain(*_chain_inputs(device), blocks)
+        _chain(*_chain_inputs(device))
     return counter.count

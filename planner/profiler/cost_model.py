@@ -97,8 +97,9 @@ class DeviceSpec:
     """Host time a selective checkpoint policy adds per operator (its Python callback in forward and
     replay), as measured on this project's CPU; `selective_cost.py` measures it when times are."""
     checkpoint_call_ms: float = 0.1
-    """Host time one checkpoint call adds beyond its replay (RNG state, replay set-up), an estimate
-    near this project's CPU's; `selective_cost.py` measures it when times are measured."""
+    """Host time one checkpoint call adds beyond its replay (RNG state, replay set-up), an estimate;
+    `selective_cost.py` measures it when times are measured (0.22 to 0.27 ms on this project's CPU,
+    NOTE [checkpoint's own work], where the analytic plans of bench/results were made with 0.1)."""
     checkpoint_op_ms: float = 0.015
     """Host time checkpoint's saved-tensor hooks add per operator of a checkpointed region (estimate)."""
     memory_bytes: int | None = None

@@ -91,6 +91,7 @@ from planner.planning.plan import Plan
 from planner.profiler.counting import current_counting
 from planner.profiler.measurement import OptimizerSpec
 from planner.report.hand_checkpoints import hand_schedules
+from planner.solvers import lowest_peak
 from planner.solvers.solved_plan import CompiledStep
 
 __all__ = [
@@ -282,9 +283,12 @@ def _hand_fallback(profile: Profile, compilations: _Compilations, refusal: Infea
     """NOTE [hand fallback]: the first hand method's schedule, by predicted peak, that measures within
     the budget compiled; else `InfeasibleBudget` naming the lowest peak predicted or measured."""
     tried = [plan.schedule.regions for plan in compilations.plans]
+    min_peak_bytes = lowest_peak(profile.graph)[1].peak_bytes
     candidates = sorted(
         (
-            plan_schedule(profile.graph, schedule, budget_bytes=compilations.budget_bytes)
+            plan_schedule(
+                profile.graph, schedule, budget_bytes=compilations.budget_bytes, min_peak_bytes=min_peak_bytes
+            )
             for schedule in hand_schedules(profile.graph).values()
             if schedule.regions not in tried
         ),

@@ -78,14 +78,16 @@ def plan_graph(
     )
 
 
-def plan_schedule(graph: ActivationGraph, schedule: Schedule, *, budget_bytes: int) -> Plan:
+def plan_schedule(
+    graph: ActivationGraph, schedule: Schedule, *, budget_bytes: int, min_peak_bytes: int
+) -> Plan:
     """A schedule made otherwise than by a solver (a hand method's) as a Plan of `graph` at `budget_bytes`,
-    without a module; its lowest peak is the solvers' (allocated bytes)."""
+    without a module; `min_peak_bytes` is the graph's lowest peak (`lowest_peak`, allocated bytes)."""
     return Plan(
         graph=graph,
         schedule=schedule,
         budget_bytes=budget_bytes,
-        min_peak_bytes=lowest_peak(graph)[1].peak_bytes,
+        min_peak_bytes=min_peak_bytes,
         budget_kind=BudgetKind.ALLOCATED,
     )
 

@@ -42,6 +42,12 @@ Without this, every split Linear was a node no region could hold, and the lowest
 Llama-style stack split in two was 12,588,032 B, where `checkpoint_wrapper` on every block measured
 9,334,272 B. Only these two styles' hooks count as replayable; any other hook keeps its module out.
 
+Neither level traces through a custom autograd Function, whose backward a trace would lose, nor a
+tensor hook registered in a forward, nor a tensor a forward stores on its module, nor FX through a
+switch of grad mode, which it would not record: the module doing any of them stays whole (NOTE [custom
+autograd functions], NOTE [tensor hooks], NOTE [stored on the module], NOTE [grad mode while tracing]
+in kept_whole.py).
+
 Both levels then run out of place the in-place ops whose writes nothing can observe (NOTE [in-place ops]
 in in_place.py), and the export level drops the attention masks a trace materialises where the model
 makes none (NOTE [materialised masks] in attention_masks.py). What a capture is, and which calls its
@@ -67,6 +73,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.capture.attention_masks import drop_size_only_masks
 from planner.capture.in_place import run_out_of_place
+from planner.capture.kept_whole import refuse_traced_call, refused_while_tracing, stored_during
 from planner.capture.records import (
     Capture,
     CapturePath,
@@ -157,6 +164,10 @@ class _OpaqueTracer(fx.Tracer):
     def __init__(self, opaque: set[str]) -> None:
         super().__init__()
         self.opaque = opaque
+
+    def create_proxy(self, kind: str, target: Any, *args: Any, **kwargs: Any) -> fx.Proxy:
+        refuse_traced_call(kind, target)  # NOTE [tensor hooks] in kept_whole.py
+        return super().create_proxy(kind, target, *args, **kwargs)
 
     def is_leaf_module(self, module: torch.nn.Module, qualified_name: str) -> bool:
         return (
@@ -265,20 +276,31 @@ def _capture_fx(
     opaque: set[str] = set()
     while True:
         tracer = _OpaqueTracer(opaque)
-        try:
-            with _proxies_are_tensors():
-                graph = tracer.trace(model, concrete_args=concrete)
-        except Exception as error:  # noqa: BLE001 - any tracing failure is a reason to try a coarser level
-            failing = _failing_module(model, error)
-            if failing is None or failing == "" or failing in opaque or len(opaque) >= MAX_OPAQUE_MODULES:
-                where = f"submodule {failing!r}" if failing else f"the forward of {type(model).__name__}"
+        with stored_during(model) as stored:
+            try:
+                with _proxies_are_tensors(), refused_while_tracing(fake_tensors=False):
+                    graph = tracer.trace(model, concrete_args=concrete)
+            except Exception as error:  # noqa: BLE001 - any tracing failure is a reason to try a coarser level
+                failing = _failing_module(model, error)
+                if failing is None or failing == "" or failing in opaque or len(opaque) >= MAX_OPAQUE_MODULES:
+                    where = f"submodule {failing!r}" if failing else f"the forward of {type(model).__name__}"
+                    raise UnsupportedModel(
+                        f"torch.fx cannot trace {where}: {_describe(error)} (FX follows tensor operations "
+                        "and module calls, not control flow on tensor values or item assignment: move such "
+                        "code into a submodule, which FX keeps as one opaque node, or branch with "
+                        "torch.where)"
+                    ) from error
+                log.info("fx could not trace %s (%s); keeping it opaque", failing, type(error).__name__)
+                opaque.add(failing)
+                continue
+        if stored.modules:
+            if "" in stored.modules or set(stored.modules) <= opaque:
                 raise UnsupportedModel(
-                    f"torch.fx cannot trace {where}: {_describe(error)} (FX follows tensor operations and "
-                    "module calls, not control flow on tensor values or item assignment: move such code "
-                    "into a submodule, which FX keeps as one opaque node, or branch with torch.where)"
-                ) from error
-            log.info("fx could not trace %s (%s); keeping it opaque", failing, type(error).__name__)
-            opaque.add(failing)
+                    f"torch.fx cannot trace the forward of {type(model).__name__}: it stores a tensor on the "
+                    "module, which a graph would not store (NOTE [stored on the module])"
+                )
+            log.info("%s store tensors on themselves; keeping them opaque", stored.modules)
+            opaque.update(stored.modules)
             continue
         graph_module = fx.GraphModule(tracer.root, graph, type(model).__name__)
         exported = inline_exported_containers(graph_module, model, opaque, example) if example else []
@@ -366,7 +388,7 @@ def _export_root(
 ) -> tuple[Any, bool]:
     """The exported program of the root's forward and whether its dimensions are dynamic: dynamic
     where export manages, else specialised to the example's shapes."""
-    with quiet_export(), _root_hooks_suspended(model):
+    with quiet_export(), _root_hooks_suspended(model), refused_while_tracing(fake_tensors=True):
         try:
             root, explicit = _keywords_named(model, signature, kwargs)
             dynamic_shapes = _dynamic_shapes(explicit, args, kwargs)
@@ -413,13 +435,19 @@ def _capture_export(
         )
     call = GraphCall(signature=signature)
     kwargs = call._ordered(kwargs)  # the graph's flat inputs follow the forward's parameter order
-    try:
-        exported, dynamic = _export_root(model, signature, *_unaliased(args, kwargs))
-    except Exception as error:  # noqa: BLE001 - any export failure is a reason to try a coarser level
+    with stored_during(model) as stored:
+        try:
+            exported, dynamic = _export_root(model, signature, *_unaliased(args, kwargs))
+        except Exception as error:  # noqa: BLE001 - any export failure is a reason to try a coarser level
+            raise UnsupportedModel(
+                f"torch.export cannot trace {type(model).__name__}: {_describe(error)} (branch with "
+                "torch.cond or torch.where instead of Python if on tensor values)"
+            ) from error
+    if stored.modules:
         raise UnsupportedModel(
-            f"torch.export cannot trace {type(model).__name__}: {_describe(error)} (branch with "
-            "torch.cond or torch.where instead of Python if on tensor values)"
-        ) from error
+            f"torch.export cannot keep what the forward of {stored.modules[:4]} stores on the module "
+            "(NOTE [stored on the module])"
+        )
     graph_module = exported.module()
     assert isinstance(graph_module, fx.GraphModule)
     check_shared_state(graph_module, model)

@@ -32,6 +32,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from planner.capture.kept_whole import refused_while_tracing, stored_during
 from planner.errors import UnsupportedModel
 
 __all__ = [
@@ -88,9 +89,10 @@ def _is_container(module: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def _state_preserved(model: torch.nn.Module) -> Iterator[None]:
-    """Run the model without changing its buffers (BatchNorm statistics) or the caller's RNG stream."""
+    """Run the model without changing its buffers (BatchNorm statistics) or the caller's RNG stream, with
+    grad enabled as a training step runs it (a forward may take a gradient of its own)."""
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
         try:
             yield
         finally:
@@ -122,10 +124,18 @@ def _example_calls(
 def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The unlifted exported graph of one container call, or None when export cannot capture it."""
     try:
-        with quiet_export(), _state_preserved(module), torch.enable_grad():
+        with (
+            quiet_export(),
+            _state_preserved(module),
+            stored_during(module) as stored,
+            refused_while_tracing(fake_tensors=True),
+        ):
             exported = torch.export.export(module, args, kwargs, strict=False)
     except Exception as error:  # noqa: BLE001 - an untraceable container stays opaque
         log.info("torch.export cannot capture %s either (%s)", type(module).__name__, error)
+        return None
+    if stored.modules:
+        log.info("not inlining %s: it stores tensors on %s", type(module).__name__, stored.modules)
         return None
     graph_module = exported.module()
     try:

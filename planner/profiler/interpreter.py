@@ -261,6 +261,8 @@ class _BackwardClock:
     current: str | None = None
     opened_at: float = 0.0
     backward_ms: dict[str, float] = field(default_factory=dict)
+    unpacked: dict[int, weakref.ref[torch.Tensor]] = field(default_factory=dict)
+    """The saved tensors unpacked so far, by id (NOTE [unpacked twice])."""
 
     def open(self, name: str) -> None:
         self.close()
@@ -270,11 +272,20 @@ class _BackwardClock:
         self.opened_at = time.perf_counter()
 
     def unpack(self, saved: torch.Tensor) -> torch.Tensor:
-        """saved_tensors_hooks unpack hook: note the live bytes at the node's first unpack."""
+        """saved_tensors_hooks unpack hook: note the live bytes at the node's first unpack.
+
+        NOTE [unpacked twice]: non-reentrant checkpoint hands a replayed tensor to autograd once and
+        raises `CheckpointError` when a backward unpacks it again (a custom autograd Function that
+        reads `ctx.saved_tensors` twice), so a node whose backward does is not checkpointable: a plan
+        checkpointing it would fail in its first backward."""
         if self.current is not None and self.tracker is not None:
             record = self.interpreter.records[self.current]
             if record.unpack_live_bytes is None:
                 record.unpack_live_bytes = self.tracker.live_bytes
+            earlier = self.unpacked.get(id(saved))
+            if earlier is not None and earlier() is saved:
+                record.checkpointable = False
+            self.unpacked[id(saved)] = weakref.ref(saved)
         return saved
 
     def close(self) -> None:

@@ -202,8 +202,9 @@ def static_split_calls(
     A mixture of experts routes each token by its values: checkpointing one expert would save bytes
     that change with the routing from step to step (fewer tokens to a checkpointed expert leave more to
     the stored ones), which no profile of one step can bound. Such a call stays one node (checkpointed
-    whole, its total is the same for any routing). Runs one forward without grad, and each candidate
-    twice more per call; the caller restores buffers and the RNG state.
+    whole, its total is the same for any routing). Runs one forward, and each candidate twice more per
+    call, with grad enabled as a training step runs them (a forward may take a gradient of its own);
+    the caller restores buffers and the RNG state.
     """
     verdicts: dict[str, bool] = {}
     if not candidates:
@@ -224,7 +225,7 @@ def static_split_calls(
         for target in candidates
     ]
     try:
-        with torch.no_grad():
+        with torch.enable_grad():
             graph_module(*inputs)
     finally:
         for handle in handles:

@@ -1,0 +1,252 @@
+"""What a trace would change about training is kept whole (planner/capture/kept_whole.py): a custom
+autograd Function keeps its own backward in `plan.module` (NOTE [custom autograd functions]), operators
+a forward runs under `torch.no_grad()` stay without gradients (NOTE [grad mode while tracing]), a hook
+a forward registers on a tensor still runs (NOTE [tensor hooks]), a loss a forward stores on its module
+is stored in every step (NOTE [stored on the module]), and a Function whose backward reads
+`ctx.saved_tensors` twice is never checkpointed, which non-reentrant checkpoint refuses (NOTE [unpacked
+twice] in planner/profiler/interpreter.py).
+
+Before, FX traced a gradient reversal's forward (a view) into the graph, and `plan.module` trained the
+Linear before it with the opposite gradient, without any checkpointing; FX recorded the operators under
+`no_grad` without the switch, and gradients flowed through them; export dropped a tensor hook; FX
+left a Proxy where a block stored its auxiliary loss; and a plan checkpointing the block that reads its
+saved tensors twice raised `CheckpointError` in its first backward. A forward that takes a gradient of
+its own made `optimize` fail, as capture and profiling ran it under `no_grad`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import planner
+from planner.testing.steps import assert_same_step, one_step
+
+WIDTH = 64
+ROWS = 1024
+
+
+class ReversedGradient(torch.autograd.Function):
+    """The identity forward, the negated gradient backward (domain-adversarial training's layer)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return -grad
+
+
+class ReadsSavedTwice(torch.autograd.Function):
+    """`x @ w` whose backward reads `ctx.saved_tensors` once per gradient it makes."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        _, w = ctx.saved_tensors  # type: ignore[attr-defined]
+        grad_x = grad @ w.t()
+        x, _ = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad_x, x.t() @ grad
+
+
+class Reversal(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ReversedGradient.apply(x)
+
+
+class TwiceBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(ReadsSavedTwice.apply(x, self.weight))
+
+
+class ScaledWithoutGradient(nn.Module):
+    """Divides by a scale it computes under `no_grad`, as normalisations by a running figure do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = self.linear(x).abs().mean()
+        return self.linear(x) / (scale + 1)
+
+
+class HalvedGradient(nn.Module):
+    """A Linear and ReLU whose output's gradient a tensor hook halves, registered in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.linear(x))
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: grad * 0.5)
+        return hidden
+
+
+class GradientPenalty(nn.Module):
+    """A critic's score plus the squared norm of its gradient by its input, taken in the forward with
+    `torch.autograd.grad` (WGAN-GP's penalty, a physics-informed loss's derivative)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.score = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        score = self.score(torch.tanh(self.hidden(x)))
+        (gradient,) = torch.autograd.grad(score.sum(), x, create_graph=True)
+        return score + gradient.pow(2).sum(dim=1, keepdim=True)
+
+
+class AuxiliaryLoss(nn.Module):
+    """A Linear and ReLU that store a loss of their activations on themselves for the training loop to
+    add, as mixtures of experts store their load-balancing loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.linear(x)
+        self.aux_loss = hidden.pow(2).mean()
+        return torch.relu(hidden)
+
+
+def mlp_block() -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU())
+
+
+class ReversedInTheRoot(nn.Module):
+    """Applies the reversal in its own forward: neither FX nor export may capture the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = mlp_block(), mlp_block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(ReversedGradient.apply(self.first(x)))
+
+
+class ScaledInTheRoot(nn.Module):
+    """`ScaledWithoutGradient`'s switch in the root's own forward: FX may not capture it, export may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = mlp_block(), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        with torch.no_grad():
+            scale = self.second(hidden).abs().mean()
+        return self.second(hidden) / (scale + 1)
+
+
+def example(model: nn.Module) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    return model, (torch.randn(ROWS, WIDTH),)
+
+
+def test_a_gradient_reversal_in_a_submodule_keeps_its_backward() -> None:
+    model, inputs = example(nn.Sequential(mlp_block(), Reversal(), mlp_block(), mlp_block()))
+    plan = planner.optimize(model, inputs, budget_gb=1)
+    assert plan.capture == "fx (opaque: 1)", plan.capture
+    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
+    lowest = plan.replan(budget_bytes=plan.min_peak_bytes)
+    assert lowest.schedule.checkpointed, lowest.summary()
+    assert_same_step(one_step(model, inputs), one_step(lowest.module, inputs))
+
+
+def test_a_gradient_reversal_in_the_root_is_planned_by_submodules() -> None:
+    model, inputs = example(ReversedInTheRoot())
+    plan = planner.optimize(model, inputs, budget_gb=1)
+    assert plan.capture == "module", plan.capture
+    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
+
+
+def test_a_block_whose_backward_unpacks_twice_is_not_checkpointed() -> None:
+    blocks = [block for _ in range(3) for block in (TwiceBlock(), mlp_block())]
+    model, inputs = example(nn.Sequential(*blocks))
+    plan = planner.optimize(model, inputs, budget_gb=1)
+    twice = [node for node in plan.graph.nodes if node.op == TwiceBlock.__name__]
+    assert len(twice) == 3 and not any(node.checkpointable for node in twice), plan.capture
+    lowest = plan.replan(budget_bytes=plan.min_peak_bytes)
+    assert lowest.schedule.checkpointed, "the other blocks are checkpointed"
+    assert_same_step(one_step(model, inputs), one_step(lowest.module, inputs))
+
+
+def test_operators_under_no_grad_in_a_submodule_stay_without_gradients() -> None:
+    model, inputs = example(nn.Sequential(mlp_block(), ScaledWithoutGradient(), mlp_block(), mlp_block()))
+    plan = planner.optimize(model, inputs, budget_gb=1)
+    assert plan.capture == "fx (exported: 1)", "export records the switch FX refused"
+    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
+    lowest = plan.replan(budget_bytes=plan.min_peak_bytes)
+    assert lowest.schedule.checkpointed, lowest.summary()
+    assert_same_step(one_step(model, inputs), one_step(lowest.module, inputs))
+
+
+def test_operators_under_no_grad_in_the_root_are_captured_by_export_with_the_switch() -> None:
+    model, inputs = example(ScaledInTheRoot())
+    plan = planner.optimize(model, inputs, budget_gb=1)
+    assert plan.capture == "export", plan.capture
+    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
+
+
+def test_a_tensor_hook_registered_in_a_forward_still_runs() -> None:
+    model, inputs = example(nn.Sequential(mlp_block(), HalvedGradient(), mlp_block(), mlp_block()))
+    plan = planner.optimize(model, inputs, budget_gb=1)
+    assert plan.capture == "fx (planned by children: 1)", "its own code runs as written"
+    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
+    lowest = plan.replan(budget_bytes=plan.min_peak_bytes)
+    assert lowest.schedule.checkpointed, lowest.summary()
+    assert_same_step(one_step(model, inputs), one_step(lowest.module, inputs))
+
+
+def test_a_forward_that_takes_a_gradient_of_its_own_is_planned_and_trains() -> None:
+    """Capture and profiling ran the model under `no_grad` to record its calls, where its
+    `torch.autograd.grad` raised, and `optimize` failed; they run it with grad enabled now."""
+    model, inputs = example(nn.Sequential(mlp_block(), mlp_block(), mlp_block(), GradientPenalty()))
+    plan = planner.optimize(model, inputs, budget_gb=1)
+    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
+    lowest = plan.replan(budget_bytes=plan.min_peak_bytes)
+    assert lowest.schedule.checkpointed, lowest.summary()
+    assert_same_step(one_step(model, inputs), one_step(lowest.module, inputs))
+
+
+def _gradients_with_auxiliary_losses(
+    module: nn.Module, blocks: list[AuxiliaryLoss], x: torch.Tensor
+) -> list[torch.Tensor]:
+    """Gradients of the output's loss plus every block's stored auxiliary loss, read after the forward."""
+    output = module(x)
+    loss = output.pow(2).mean() + sum(block.aux_loss for block in blocks)
+    loss.backward()
+    return [block.linear.weight.grad for block in blocks]
+
+
+def test_a_loss_a_forward_stores_on_its_module_is_stored_by_the_plan_too() -> None:
+    """NOTE [stored on the module]: FX left a Proxy in `aux_loss` and `plan.module` never set it."""
+    model, (x,) = example(nn.Sequential(AuxiliaryLoss(), mlp_block(), AuxiliaryLoss(), mlp_block()))
+    reference = copy.deepcopy(model)
+    expected = _gradients_with_auxiliary_losses(reference, [reference[0], reference[2]], x)
+    plan = planner.optimize(model, (x,), budget_gb=1)
+    lowest = plan.replan(budget_bytes=plan.min_peak_bytes)
+    assert lowest.module is not None and lowest.schedule.checkpointed, lowest.summary()
+    assert all(isinstance(block.aux_loss, torch.Tensor) for block in (model[0], model[2])), "no Proxy left"
+    for block in (model[0], model[2]):
+        block.zero_grad()
+    actual = _gradients_with_auxiliary_losses(lowest.module, [model[0], model[2]], x)
+    for want, got in zip(expected, actual, strict=True):
+        torch.testing.assert_close(got, want)

@@ -195,6 +195,10 @@ class Node:
     autograd operators whose measured backward peak is below what holding its saves would give has one
     entry (NOTE [freed part way in eager backward] in profiler/calibration.py). Empty where the whole
     backward holds its saved storages, as eager autograd does: `backward_workspace_bytes` then."""
+    replay_release_bytes: int = 0
+    """How much lower the node's backward peaks where every storage it saves is a replay's copy, which
+    checkpoint frees as soon as the backward formula is done with it rather than when the node's
+    backward ends (NOTE [replay's early frees] in profiler/calibration.py). 0 where not measured."""
     parameter_gradient_bytes: int = 0
     """Parameter (and input) gradient bytes that first appear during this node's backward."""
     keep_cache_bytes: int = 0

@@ -27,6 +27,7 @@ class MeasuredPeaks(Protocol):
     backward_peak_bytes: int | None
     unpack_live_bytes: int | None
     last_pack_peak_bytes: int | None
+    released_backward_peak_bytes: int | None
 
 
 def calibrate_workspace(graph: ActivationGraph, measured: Mapping[str, MeasuredPeaks]) -> ActivationGraph:
@@ -44,7 +45,21 @@ def calibrate_workspace(graph: ActivationGraph, measured: Mapping[str, MeasuredP
     first, with those as freed before it. Where a schedule releases them at the node (its own saves, or
     their replay's copies) the node is predicted as measured; where it holds any for a later node, that
     storage counts in full, as before. A replay the node triggers stops at its last save
-    (`replay_stop_bytes`, NOTE [early stop]), before the operators after it run."""
+    (`replay_stop_bytes`, NOTE [early stop]), before the operators after it run.
+
+    NOTE [replay's early frees]: autograd holds a saved tensor until the backward of the operator that
+    saved it is done, and frees it then; non-reentrant checkpoint hands autograd its replay's tensors
+    on unpack and keeps none itself, so a replayed tensor is freed as soon as the backward formula is
+    done with it, before the formula's last outputs are made. A Linear's recomputed input goes before
+    its bias gradient: checkpointing every block of `branching_root` measured 512 bytes under the
+    block's backward peak without checkpointing, and its lowest peak, that schedule, was predicted
+    512 bytes above what the hand method measures, so a budget the hand method keeps was refused.
+    Where the graph has nodes of many operators (split calls, opaque calls), the profiling step runs
+    again with every saved tensor freed on unpack (`release_on_unpack` in interpreter.py), and a node
+    whose backward peaked lower there gets the difference as `replay_release_bytes`: the simulator
+    takes it off the node's backward workspace where every storage it saves is the replay's copy and
+    leaves at it (NOTE [early release] in simulation/step.py). A graph of single operators is not
+    measured twice: a node of one operator gains at most a bias gradient from it."""
     trace = simulate(graph, store_everything(graph)).trace
     forward_predicted = {step.node: step.live_bytes for step in trace if step.phase is Phase.FORWARD}
     backward_predicted = {step.node: step.live_bytes for step in trace if step.phase is Phase.BACKWARD}
@@ -73,6 +88,9 @@ def calibrate_workspace(graph: ActivationGraph, measured: Mapping[str, MeasuredP
             stop_bytes = max(0, record.last_pack_peak_bytes - before_forward)
             if stop_bytes < created_bytes + forward_workspace:
                 replay_stop = stop_bytes
+        replay_release = 0
+        if record.backward_peak_bytes is not None and record.released_backward_peak_bytes is not None:
+            replay_release = max(0, record.backward_peak_bytes - record.released_backward_peak_bytes)
         replay_workspace = None
         if record.unpack_live_bytes is not None:
             # The node's own parameter gradients are not made yet when it unpacks (nor in the replay).
@@ -86,6 +104,7 @@ def calibrate_workspace(graph: ActivationGraph, measured: Mapping[str, MeasuredP
                 backward_points=backward_points,
                 replay_workspace_bytes=replay_workspace,
                 replay_stop_bytes=replay_stop,
+                replay_release_bytes=replay_release,
             )
         )
     return dataclasses.replace(graph, nodes=tuple(calibrated))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +53,8 @@ from planner.profiler.split_calls import SplitCall, split_calls, static_split_ca
 from planner.profiler.static_memory import constant_bytes, extra_static_tensors, optimizer_name, static_bytes
 
 __all__ = ["LOSS_NODE", "build_activation_graph"]
+
+log = logging.getLogger(__name__)
 
 LOSS_NODE = "loss"
 TIMING_REPEATS = 3
@@ -237,7 +240,7 @@ class _ProfilingInterpreter(fx.Interpreter):
 def preserved_state(model: torch.nn.Module) -> Iterator[None]:
     """Restore RNG state and buffers (BatchNorm statistics) after profiling."""
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+    with _rng_replayed():
         try:
             yield
         finally:
@@ -302,6 +305,32 @@ class _BackwardClock:
         self.current = None
 
 
+class _UnpackedAgain(RuntimeError):
+    """A backward unpacked a saved tensor again after its first unpack's user had freed it."""
+
+
+class _ReleasedOnUnpack:
+    """A saved tensor held as non-reentrant checkpoint holds its replay's tensors: until autograd first
+    unpacks it, then only by the backward formula using it (NOTE [replay's early frees] in
+    calibration.py)."""
+
+    __slots__ = ("tensor", "unpacked")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.unpacked: weakref.ref[torch.Tensor] | None = None
+
+    def take(self) -> torch.Tensor:
+        if self.tensor is not None:
+            first, self.tensor = self.tensor, None
+            self.unpacked = weakref.ref(first)
+            return first
+        again = self.unpacked() if self.unpacked is not None else None
+        if again is None:
+            raise _UnpackedAgain("a backward unpacked a saved tensor again after freeing it")
+        return again
+
+
 def _profile_step(
     graph_module: fx.GraphModule,
     inputs: tuple[Any, ...],
@@ -309,12 +338,21 @@ def _profile_step(
     targets: list[torch.Tensor],
     tracker: ProfilingTracker | None,
     split_units: Mapping[str, tuple[str, ...]],
+    *,
+    release_on_unpack: bool = False,
 ) -> tuple[_ProfilingInterpreter, _BackwardClock]:
+    """One step through the interpreter; with `release_on_unpack`, every saved tensor is freed once its
+    backward formula is done with it, as checkpoint frees a replay's (NOTE [replay's early frees])."""
     start_autocast_forward()  # see NOTE [autocast] in measurement.py
     interpreter = _ProfilingInterpreter(graph_module, tracker, split_units)
     clock = _BackwardClock(interpreter, tracker)
     hooks = []
-    with torch.autograd.graph.saved_tensors_hooks(interpreter.pack, clock.unpack):
+    pack: Callable[[torch.Tensor], Any] = interpreter.pack
+    unpack: Callable[[Any], torch.Tensor] = clock.unpack
+    if release_on_unpack:
+        pack = lambda tensor: _ReleasedOnUnpack(interpreter.pack(tensor))  # noqa: E731
+        unpack = lambda held: clock.unpack(held.take())  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         output = interpreter.run(*inputs)
         interpreter.env.clear()  # the interpreter keeps the output node's value; the model does not
         loss_record = NodeRecord(
@@ -357,6 +395,56 @@ def _profile_step(
             hook.remove()
     del gradients, loss
     return interpreter, clock
+
+
+def _measuring_tracker(
+    model: torch.nn.Module, inputs: tuple[Any, ...], graph_module: fx.GraphModule
+) -> ProfilingTracker:
+    """A tracker for a measuring step, counting the model's resident tensors from its start."""
+    tracker = ProfilingTracker()
+    step_device = _device_of(model, inputs)
+    tracker.cuda_device = step_device if step_device.type == "cuda" else None
+    static_tensors = [*model.parameters(), *model.buffers(), *tensors_in(inputs)]
+    static_tensors += extra_static_tensors(graph_module)
+    tracker.track(static_tensors)
+    tracker.static_keys = {id(storage_of(t)) for t in static_tensors}
+    return tracker
+
+
+def _rng_replayed() -> contextlib.AbstractContextManager[Any]:
+    """The random state as it was before, after the block: a second measuring step draws the same
+    numbers (dropout before a routing by value routes the same tokens)."""
+    return torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else [])
+
+
+def _measure_released_peaks(
+    interpreter: _ProfilingInterpreter,
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    loss_fn: Callable[[Any], torch.Tensor],
+    targets: list[torch.Tensor],
+    split: Mapping[str, tuple[str, ...]],
+    spec: DeviceSpec | None,
+) -> None:
+    """Each node's backward peak in a second measuring step that frees saved tensors on unpack (NOTE
+    [replay's early frees] in calibration.py), into the first step's records. A backward that unpacks
+    a saved tensor again after freeing it cannot be measured so (NOTE [unpacked twice]): then every
+    node keeps its whole backward peak, an upper bound."""
+    graph_module = interpreter.module
+    assert isinstance(graph_module, fx.GraphModule)
+    tracker = _measuring_tracker(model, inputs, graph_module)
+    try:
+        with tracker, _attention_on_meta(model, inputs, spec):
+            released, _ = _profile_step(
+                graph_module, inputs, loss_fn, targets, tracker, split, release_on_unpack=True
+            )
+    except _UnpackedAgain as error:
+        log.info("%s (NOTE [unpacked twice]): replayed nodes keep their whole backward peaks", error)
+        return
+    for name, record in interpreter.records.items():
+        again = released.records.get(name)
+        if again is not None:
+            record.released_backward_peak_bytes = again.backward_peak_bytes
 
 
 def _to_nodes(
@@ -442,15 +530,11 @@ def _profiled_graph(
         )
     with preserved_state(model):
         split = static_split_calls(graph_module, inputs, split_calls(captured))
-        tracker = ProfilingTracker()
-        step_device = _device_of(model, inputs)
-        tracker.cuda_device = step_device if step_device.type == "cuda" else None
-        static_tensors = [*model.parameters(), *model.buffers(), *tensors_in(inputs)]
-        static_tensors += extra_static_tensors(graph_module)
-        tracker.track(static_tensors)
-        tracker.static_keys = {id(storage_of(t)) for t in static_tensors}
-        with tracker, _attention_on_meta(model, inputs, spec):
+        tracker = _measuring_tracker(model, inputs, graph_module)
+        with _rng_replayed(), tracker, _attention_on_meta(model, inputs, spec):
             interpreter, _ = _profile_step(graph_module, inputs, loss_fn, targets, tracker, split)
+        if split or captured.opaque_modules:
+            _measure_released_peaks(interpreter, model, inputs, loss_fn, targets, split, spec)
         _forbid_replaying_mutated_inputs(interpreter)
         if spec is None:
             forward_ms, backward_ms = _measured_times(

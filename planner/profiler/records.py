@@ -72,6 +72,10 @@ class NodeRecord:
     """Live bytes when the node's backward first unpacks a saved tensor (where a replay would run)."""
     last_pack_peak_bytes: int | None = None
     """The node's forward peak up to its last save: where a replay it triggers stops (NOTE [early stop])."""
+    released_backward_peak_bytes: int | None = None
+    """The node's backward peak in a second step that frees each saved tensor once its backward formula
+    is done with it, as checkpoint frees a replay's (NOTE [replay's early frees] in calibration.py);
+    None where that step did not run."""
     parameter_gradient_bytes: int = 0
     keep_cache_bytes: int = 0
     forward_flops: int = 0

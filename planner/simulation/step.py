@@ -209,16 +209,29 @@ def cached_storages(graph: ActivationGraph, region: Region) -> set[str]:
 
 def backward_workspace(node: Node, pending: LiveBytes, index: int) -> int:
     """The node's backward residual on top of `pending` (NOTE [early release]): its measured or
-    predicted workspace, less what it frees part way that the schedule releases at this node."""
-    if not node.backward_points:
-        return node.backward_workspace_bytes
+    predicted workspace, less what it frees part way that the schedule releases at this node, and less
+    its `replay_release_bytes` where everything it saves is a replay's copy leaving at it (NOTE
+    [replay's early frees] in profiler/calibration.py)."""
+    workspace = node.backward_workspace_bytes
+    if node.backward_points:
+        leaving = set(pending.leaving_at(index))
+        sizes = pending.sizes
+
+        def released(names: tuple[str, ...]) -> int:
+            return sum(
+                sizes[name] for name in names if name in leaving or f"{name}{REPLAY_SUFFIX}" in leaving
+            )
+
+        workspace = max(workspace_bytes - released(freed) for workspace_bytes, freed in node.backward_points)
+    if node.replay_release_bytes and workspace > 0 and _all_saves_replayed_here(node, pending, index):
+        workspace -= min(node.replay_release_bytes, workspace)
+    return workspace
+
+
+def _all_saves_replayed_here(node: Node, pending: LiveBytes, index: int) -> bool:
+    """Whether every storage `node` saves is a replay's copy that leaves at its backward."""
     leaving = set(pending.leaving_at(index))
-    sizes = pending.sizes
-
-    def released(names: tuple[str, ...]) -> int:
-        return sum(sizes[name] for name in names if name in leaving or f"{name}{REPLAY_SUFFIX}" in leaving)
-
-    return max(workspace_bytes - released(freed) for workspace_bytes, freed in node.backward_points)
+    return bool(node.saves) and all(f"{name}{REPLAY_SUFFIX}" in leaving for name in node.saves)
 
 
 def _release_early(node: Node, pending: LiveBytes, index: int) -> int:

@@ -49,6 +49,7 @@ NODE_NUMBERS = (
     "backward_workspace_bytes",
     "replay_workspace_bytes",
     "replay_stop_bytes",
+    "replay_release_bytes",
     "parameter_gradient_bytes",
     "keep_cache_bytes",
     "forward_flops",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import planner
+from planner.ir import MemoryCounting
 from planner.planning.graph import plan_graph
 from planner.testing.steps import assert_same_step, one_step
 from planner.testing.zoo_real import build_call
@@ -71,6 +72,20 @@ def test_the_module_level_goes_through_the_same_object() -> None:
     assert plan.regions and plan.module is not None
     assert plan.replan(budget_gb=1).schedule.checkpointed == ()
     assert_same_step(one_step(call.model, call.args), one_step(plan.module, call.args))
+
+
+def test_a_unit_measures_what_its_replay_frees_early(mlp_profile: planner.Profile) -> None:
+    """NOTE [replay's early frees]: checkpoint frees a replayed tensor once the backward formula is done
+    with it, so a checkpointed Linear's input goes before its bias gradient is made. The block
+    `branching_root` runs first takes the model's input, so everything it saves is its own and is
+    replayed when the block is checkpointed: its backward peaks lower by its last Linear's bias
+    gradient. A graph of single operators is profiled once and has no such figure."""
+    call = build_call("branching_root")
+    profile = planner.profile(call.model, call.args)
+    first = next(node for node in profile.graph.nodes if node.op == "ResidualBlock")
+    bias = call.model.get_submodule(first.module_path).mlp[3].bias
+    assert first.replay_release_bytes == MemoryCounting.BLOCKS.of(bias.nbytes), first
+    assert not any(node.replay_release_bytes for node in mlp_profile.graph.nodes)
 
 
 def test_bad_arguments_fail_before_profiling(monkeypatch: pytest.MonkeyPatch) -> None:

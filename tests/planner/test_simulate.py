@@ -181,6 +181,39 @@ def test_a_compiled_backward_frees_what_its_replay_made_before_its_largest_buffe
     assert at_n2 - STATIC_MIB * MIB in points, "the solvers cost the region as the simulator replays it"
 
 
+def test_a_backward_whose_saves_are_all_replayed_peaks_lower_by_what_checkpoint_frees_early() -> None:
+    """NOTE [replay's early frees] (profiler/calibration.py): n2's backward peaks 1 MiB lower where s1,
+    all it saves, is a replay's copy, which checkpoint frees once n2's backward formula is done with it.
+    Checkpointed alone, n2 saves its region's input, which checkpoint holds: no lower. The solvers cost
+    the region as the simulator replays it."""
+    graph = chain_graph([2, 2, 2])
+    nodes = list(graph.nodes)
+    nodes[2] = dataclasses.replace(nodes[2], replay_release_bytes=1 * MIB)
+    graph = dataclasses.replace(graph, nodes=tuple(nodes))
+
+    def regions(first: int) -> tuple[Region, ...]:
+        return (
+            Region(0, first, RegionPolicy.STORE),
+            Region(first, 3, RegionPolicy.CHECKPOINT),
+            Region(3, 4, RegionPolicy.STORE),
+        )
+
+    def at_n2(first: int) -> int:
+        result = simulate(graph, Schedule(regions=regions(first), solver="test"))
+        return next(s.live_bytes for s in result.trace if s.phase is Phase.BACKWARD and s.node == "n2")
+
+    gradients = MIB // 4
+    # s0 held for the replay (2) + s1 replayed (2) + n2's residual (2) less 1 + n2's gradients.
+    assert at_n2(first=1) == (STATIC_MIB + 4 + 1) * MIB + gradients
+    points = region_cost(build_chain(graph), regions(first=1)[1], held_in=frozenset()).points_bytes
+    assert at_n2(first=1) - STATIC_MIB * MIB in points, "the solvers cost the region as the simulator does"
+    # s0 saved by n1 (2) + s1 held as the region's input (2) + n2's whole residual (2) + n2's gradients.
+    assert at_n2(first=2) == (STATIC_MIB + 6) * MIB + gradients
+    stored = simulate(graph, store_everything(graph))
+    assert stored.peak_bytes == simulate(chain_graph([2, 2, 2]), store_everything(graph)).peak_bytes
+    assert graph_from_dict(graph_to_dict(graph)) == graph
+
+
 def _opaque_block(**changes: object) -> ActivationGraph:
     """chain_graph([2, 2, 2]) whose n1 is a block of many operators: it also makes and saves a 12 MiB
     `inner` tensor, and makes 20 MiB of parameter gradients, so its backward sets the peak."""

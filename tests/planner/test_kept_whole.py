@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -160,70 +161,63 @@ def example(model: nn.Module) -> tuple[nn.Module, tuple[torch.Tensor]]:
     return model, (torch.randn(ROWS, WIDTH),)
 
 
-def test_a_gradient_reversal_in_a_submodule_keeps_its_backward() -> None:
-    model, inputs = example(nn.Sequential(mlp_block(), Reversal(), mlp_block(), mlp_block()))
+def planned_training_as_the_model(model: nn.Module, inputs: tuple[torch.Tensor]) -> planner.Plan:
+    """The plan without budget pressure, whose module trains as `model` does."""
     plan = planner.optimize(model, inputs, budget_gb=1)
-    assert plan.capture == "fx (opaque: 1)", plan.capture
     assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
+    return plan
+
+
+def assert_lowest_trains_as_the_model(
+    plan: planner.Plan, model: nn.Module, inputs: tuple[torch.Tensor]
+) -> None:
+    """The plan at the lowest peak checkpoints something and trains as `model` does."""
     lowest = plan.replan(budget_bytes=plan.min_peak_bytes)
     assert lowest.schedule.checkpointed, lowest.summary()
     assert_same_step(one_step(model, inputs), one_step(lowest.module, inputs))
 
 
+@pytest.mark.parametrize(
+    ("block", "capture"),
+    [
+        (Reversal, "fx (opaque: 1)"),
+        (ScaledWithoutGradient, "fx (exported: 1)"),  # export records the switch FX refused
+        (HalvedGradient, "fx (planned by children: 1)"),  # its own code runs as written
+    ],
+)
+def test_a_submodule_a_trace_would_change_trains_as_the_model_with_and_without_checkpoints(
+    block: type[nn.Module], capture: str
+) -> None:
+    model, inputs = example(nn.Sequential(mlp_block(), block(), mlp_block(), mlp_block()))
+    plan = planned_training_as_the_model(model, inputs)
+    assert plan.capture == capture, plan.capture
+    assert_lowest_trains_as_the_model(plan, model, inputs)
+
+
 def test_a_gradient_reversal_in_the_root_is_planned_by_submodules() -> None:
     model, inputs = example(ReversedInTheRoot())
-    plan = planner.optimize(model, inputs, budget_gb=1)
-    assert plan.capture == "module", plan.capture
-    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
+    assert planned_training_as_the_model(model, inputs).capture == "module"
 
 
 def test_a_block_whose_backward_unpacks_twice_is_not_checkpointed() -> None:
     blocks = [block for _ in range(3) for block in (TwiceBlock(), mlp_block())]
     model, inputs = example(nn.Sequential(*blocks))
-    plan = planner.optimize(model, inputs, budget_gb=1)
+    plan = planned_training_as_the_model(model, inputs)
     twice = [node for node in plan.graph.nodes if node.op == TwiceBlock.__name__]
     assert len(twice) == 3 and not any(node.checkpointable for node in twice), plan.capture
-    lowest = plan.replan(budget_bytes=plan.min_peak_bytes)
-    assert lowest.schedule.checkpointed, "the other blocks are checkpointed"
-    assert_same_step(one_step(model, inputs), one_step(lowest.module, inputs))
-
-
-def test_operators_under_no_grad_in_a_submodule_stay_without_gradients() -> None:
-    model, inputs = example(nn.Sequential(mlp_block(), ScaledWithoutGradient(), mlp_block(), mlp_block()))
-    plan = planner.optimize(model, inputs, budget_gb=1)
-    assert plan.capture == "fx (exported: 1)", "export records the switch FX refused"
-    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
-    lowest = plan.replan(budget_bytes=plan.min_peak_bytes)
-    assert lowest.schedule.checkpointed, lowest.summary()
-    assert_same_step(one_step(model, inputs), one_step(lowest.module, inputs))
+    assert_lowest_trains_as_the_model(plan, model, inputs)  # the other blocks checkpointed
 
 
 def test_operators_under_no_grad_in_the_root_are_captured_by_export_with_the_switch() -> None:
     model, inputs = example(ScaledInTheRoot())
-    plan = planner.optimize(model, inputs, budget_gb=1)
-    assert plan.capture == "export", plan.capture
-    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
-
-
-def test_a_tensor_hook_registered_in_a_forward_still_runs() -> None:
-    model, inputs = example(nn.Sequential(mlp_block(), HalvedGradient(), mlp_block(), mlp_block()))
-    plan = planner.optimize(model, inputs, budget_gb=1)
-    assert plan.capture == "fx (planned by children: 1)", "its own code runs as written"
-    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
-    lowest = plan.replan(budget_bytes=plan.min_peak_bytes)
-    assert lowest.schedule.checkpointed, lowest.summary()
-    assert_same_step(one_step(model, inputs), one_step(lowest.module, inputs))
+    assert planned_training_as_the_model(model, inputs).capture == "export"
 
 
 def test_a_forward_that_takes_a_gradient_of_its_own_is_planned_and_trains() -> None:
     """Capture and profiling ran the model under `no_grad` to record its calls, where its
     `torch.autograd.grad` raised, and `optimize` failed; they run it with grad enabled now."""
     model, inputs = example(nn.Sequential(mlp_block(), mlp_block(), mlp_block(), GradientPenalty()))
-    plan = planner.optimize(model, inputs, budget_gb=1)
-    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
-    lowest = plan.replan(budget_bytes=plan.min_peak_bytes)
-    assert lowest.schedule.checkpointed, lowest.summary()
-    assert_same_step(one_step(model, inputs), one_step(lowest.module, inputs))
+    assert_lowest_trains_as_the_model(planned_training_as_the_model(model, inputs), model, inputs)
 
 
 def _gradients_with_auxiliary_losses(

@@ -15,8 +15,10 @@ gradient, with no checkpointing at all; a `torch.export` of it did the same.
 NOTE [grad mode while tracing]: `with torch.no_grad():` (or `torch.set_grad_enabled`, `@torch.no_grad()`
 on a helper) switches autograd off for the operators inside. FX records the operators, not the switch,
 so in `plan.module` gradients flowed through a scale a model computed under `no_grad` and its first
-Linear trained otherwise. `torch.export` records the switch (`wrap_with_set_grad_enabled`), so only
-FX is refused one.
+Linear trained otherwise. So with `torch.autocast` entered in a forward (`enabled=False` to compute a
+loss head in float32): under the training step's autocast, the traced head ran in bfloat16 and returned
+another dtype. `torch.export` records both switches (`wrap_with_set_grad_enabled`,
+`wrap_with_autocast`), so only FX is refused them.
 
 NOTE [tensor hooks]: a hook a forward registers on a tensor (`hidden.register_hook(lambda g: g * 0.5)`:
 a gradient scaled or clipped per activation) changes the gradient that flows back through it. Export
@@ -76,10 +78,12 @@ def _hook_refusal(method: str) -> str:
 def refused_while_tracing(*, fake_tensors: bool) -> Iterator[None]:
     """Raise `ChangesTraining` where a custom autograd Function is applied to an FX Proxy, or with
     `fake_tensors` (torch.export traces with them) to any tensor, where a tensor hook is registered
-    then too; without it (FX), where grad mode is switched (NOTE [grad mode while tracing])."""
+    then too; without it (FX), where grad mode is switched or an autocast entered (NOTE [grad mode while
+    tracing])."""
     apply = torch.autograd.Function.__dict__["apply"]
     hooks = {method: getattr(torch.Tensor, method) for method in TENSOR_HOOKS}
     set_grad_enabled = torch._C._set_grad_enabled
+    enter_autocast = torch.autocast.__enter__
     traced = (fx.Proxy, torch.Tensor) if fake_tensors else (fx.Proxy,)
 
     def refused_apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
@@ -99,6 +103,12 @@ def refused_while_tracing(*, fake_tensors: bool) -> Iterator[None]:
             )
         set_grad_enabled(enabled)
 
+    def refused_autocast(self: torch.autocast) -> None:
+        raise ChangesTraining(
+            "the forward enters torch.autocast: FX would record the operators, not the autocast, so the "
+            "module doing it is planned whole (NOTE [grad mode while tracing])"
+        )
+
     def refused_hook(method: str) -> Any:
         def register(*args: Any, **kwargs: Any) -> Any:
             raise ChangesTraining(_hook_refusal(method))
@@ -111,11 +121,13 @@ def refused_while_tracing(*, fake_tensors: bool) -> Iterator[None]:
             setattr(torch.Tensor, method, refused_hook(method))
     else:
         torch._C._set_grad_enabled = refused_switch
+        torch.autocast.__enter__ = refused_autocast  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
         torch.autograd.Function.apply = apply  # type: ignore[method-assign]
         torch._C._set_grad_enabled = set_grad_enabled
+        torch.autocast.__enter__ = enter_autocast  # type: ignore[method-assign]
         for method, original in hooks.items():
             setattr(torch.Tensor, method, original)
 

@@ -1,6 +1,7 @@
 """What a trace would change about training is kept whole (planner/capture/kept_whole.py): a custom
 autograd Function keeps its own backward in `plan.module` (NOTE [custom autograd functions]), operators
-a forward runs under `torch.no_grad()` stay without gradients (NOTE [grad mode while tracing]), a hook
+a forward runs under `torch.no_grad()` stay without gradients and under its own autocast in its dtype
+(NOTE [grad mode while tracing]), a hook
 a forward registers on a tensor still runs (NOTE [tensor hooks]), a loss a forward stores on its module
 is stored in every step (NOTE [stored on the module]), and a Function whose backward reads
 `ctx.saved_tensors` twice is never checkpointed, which non-reentrant checkpoint refuses (NOTE [unpacked
@@ -127,6 +128,18 @@ class AuxiliaryLoss(nn.Module):
         return torch.relu(hidden)
 
 
+class Float32Head(nn.Module):
+    """A log-softmax head computed in float32 with autocast switched off, as loss heads are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return torch.log_softmax(self.linear(x.float()), dim=-1)
+
+
 def mlp_block() -> nn.Module:
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU())
 
@@ -244,3 +257,16 @@ def test_a_loss_a_forward_stores_on_its_module_is_stored_by_the_plan_too() -> No
     actual = _gradients_with_auxiliary_losses(lowest.module, [model[0], model[2]], x)
     for want, got in zip(expected, actual, strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_an_autocast_a_forward_enters_keeps_its_dtype_under_the_steps_autocast() -> None:
+    """NOTE [grad mode while tracing]: FX recorded the head's operators without its autocast, so under
+    the step's bfloat16 autocast the planned head returned bfloat16 where the model's returns float32."""
+    model, inputs = example(nn.Sequential(mlp_block(), mlp_block(), Float32Head()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = planner.optimize(model, inputs, budget_gb=1)
+    assert plan.capture == "fx (exported: 2)", "export records the autocast FX refused"
+    for module in (plan.module, plan.replan(budget_bytes=plan.min_peak_bytes).module):
+        step = one_step(module, inputs, forward_context=torch.autocast("cpu", dtype=torch.bfloat16))
+        expected = one_step(model, inputs, forward_context=torch.autocast("cpu", dtype=torch.bfloat16))
+        assert_same_step(expected, step)

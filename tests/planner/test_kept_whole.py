@@ -1,11 +1,10 @@
 """What a trace would change about training is kept whole (planner/capture/kept_whole.py): a custom
 autograd Function keeps its own backward in `plan.module` (NOTE [custom autograd functions]), operators
 a forward runs under `torch.no_grad()` stay without gradients and under its own autocast in its dtype
-(NOTE [grad mode while tracing]), a hook
-a forward registers on a tensor still runs (NOTE [tensor hooks]), a loss a forward stores on its module
-is stored in every step (NOTE [stored on the module]), and a Function whose backward reads
-`ctx.saved_tensors` twice is never checkpointed, which non-reentrant checkpoint refuses (NOTE [unpacked
-twice] in planner/profiler/interpreter.py).
+(NOTE [grad mode while tracing]), a hook a forward registers on a tensor still runs (NOTE [tensor
+hooks]), a loss a forward stores on its module is stored in every step (NOTE [stored on the module]),
+and a Function whose backward reads `ctx.saved_tensors` twice is never checkpointed, which
+non-reentrant checkpoint refuses (NOTE [unpacked twice] in planner/profiler/interpreter.py).
 
 Before, FX traced a gradient reversal's forward (a view) into the graph, and `plan.module` trained the
 Linear before it with the opposite gradient, without any checkpointing; FX recorded the operators under

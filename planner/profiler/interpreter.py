@@ -33,7 +33,7 @@ from planner.capture.records import Capture
 from planner.ir import ActivationGraph, CostModel, MemoryCounting, Node, TrainingStep
 from planner.profiler.attention import planned_attention
 from planner.profiler.calibration import calibrate_workspace
-from planner.profiler.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms, device_spec
+from planner.profiler.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
 from planner.profiler.counting import (
     counted_bytes,
     counting_scope,
@@ -42,15 +42,20 @@ from planner.profiler.counting import (
     tensors_in,
 )
 from planner.profiler.measurement import OptimizerSpec, end_autocast_forward, start_autocast_forward
-from planner.profiler.records import RANDOM_FUNCTIONS, RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
-from planner.profiler.selective_cost import (
-    CheckpointCost,
-    draws_random_numbers,
-    measure_checkpoint_cost,
-    measure_selective_op_overhead_ms,
+from planner.profiler.records import (
+    RANDOM_FUNCTIONS,
+    RANDOM_MODULES,
+    Meters,
+    NodeRecord,
+    ProfilingTracker,
+    ReleasedOnUnpack,
+    UnpackedAgain,
+    forbid_replaying_mutated_inputs,
 )
+from planner.profiler.selective_cost import draws_random_numbers
 from planner.profiler.split_calls import SplitCall, split_calls, static_split_calls
 from planner.profiler.static_memory import constant_bytes, extra_static_tensors, optimizer_name, static_bytes
+from planner.profiler.step_prices import checkpoint_cost, cost_spec, device_of, selective_op_overhead_ms
 
 __all__ = ["LOSS_NODE", "build_activation_graph"]
 
@@ -305,32 +310,6 @@ class _BackwardClock:
         self.current = None
 
 
-class _UnpackedAgain(RuntimeError):
-    """A backward unpacked a saved tensor again after its first unpack's user had freed it."""
-
-
-class _ReleasedOnUnpack:
-    """A saved tensor held as non-reentrant checkpoint holds its replay's tensors: until autograd first
-    unpacks it, then only by the backward formula using it (NOTE [replay's early frees] in
-    calibration.py)."""
-
-    __slots__ = ("tensor", "unpacked")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor: torch.Tensor | None = tensor
-        self.unpacked: weakref.ref[torch.Tensor] | None = None
-
-    def take(self) -> torch.Tensor:
-        if self.tensor is not None:
-            first, self.tensor = self.tensor, None
-            self.unpacked = weakref.ref(first)
-            return first
-        again = self.unpacked() if self.unpacked is not None else None
-        if again is None:
-            raise _UnpackedAgain("a backward unpacked a saved tensor again after freeing it")
-        return again
-
-
 def _profile_step(
     graph_module: fx.GraphModule,
     inputs: tuple[Any, ...],
@@ -350,7 +329,7 @@ def _profile_step(
     pack: Callable[[torch.Tensor], Any] = interpreter.pack
     unpack: Callable[[Any], torch.Tensor] = clock.unpack
     if release_on_unpack:
-        pack = lambda tensor: _ReleasedOnUnpack(interpreter.pack(tensor))  # noqa: E731
+        pack = lambda tensor: ReleasedOnUnpack(interpreter.pack(tensor))  # noqa: E731
         unpack = lambda held: clock.unpack(held.take())  # noqa: E731
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         output = interpreter.run(*inputs)
@@ -402,7 +381,7 @@ def _measuring_tracker(
 ) -> ProfilingTracker:
     """A tracker for a measuring step, counting the model's resident tensors from its start."""
     tracker = ProfilingTracker()
-    step_device = _device_of(model, inputs)
+    step_device = device_of(model, inputs)
     tracker.cuda_device = step_device if step_device.type == "cuda" else None
     static_tensors = [*model.parameters(), *model.buffers(), *tensors_in(inputs)]
     static_tensors += extra_static_tensors(graph_module)
@@ -438,7 +417,7 @@ def _measure_released_peaks(
             released, _ = _profile_step(
                 graph_module, inputs, loss_fn, targets, tracker, split, release_on_unpack=True
             )
-    except _UnpackedAgain as error:
+    except UnpackedAgain as error:
         log.info("%s (NOTE [unpacked twice]): replayed nodes keep their whole backward peaks", error)
         return
     for name, record in interpreter.records.items():
@@ -521,7 +500,7 @@ def _profiled_graph(
 ) -> ActivationGraph:
     """`build_activation_graph` inside its counting scope (NOTE [counting scope] in counting.py)."""
     graph_module = captured.graph_module
-    spec = _cost_spec(model, inputs, cost_model, device)
+    spec = cost_spec(model, inputs, cost_model, device)
     targets = _grad_targets(model, inputs)
     if not targets:
         raise ValueError(
@@ -535,7 +514,7 @@ def _profiled_graph(
             interpreter, _ = _profile_step(graph_module, inputs, loss_fn, targets, tracker, split)
         if split or captured.opaque_modules:
             _measure_released_peaks(interpreter, model, inputs, loss_fn, targets, split, spec)
-        _forbid_replaying_mutated_inputs(interpreter)
+        forbid_replaying_mutated_inputs([interpreter.records[name] for name in interpreter.order])
         if spec is None:
             forward_ms, backward_ms = _measured_times(
                 graph_module, inputs, loss_fn, targets, interpreter.order, split
@@ -559,7 +538,7 @@ def _profiled_graph(
         static, buffer_bytes=static.buffer_bytes + constant_bytes(graph_module, model)
     )
     optimizer_label = optimizer_name(optimizer)
-    checkpoint_cost = _checkpoint_cost(model, inputs, spec)
+    prices = checkpoint_cost(model, inputs, spec)
     profiled = ActivationGraph(
         nodes=tuple(_to_nodes(interpreter, forward_ms, backward_ms)),
         storage_bytes=dict(tracker.storage_bytes),
@@ -567,27 +546,13 @@ def _profiled_graph(
         capture=captured.label(split),
         optimizer=optimizer_label,
         timing=CostModel.MEASURED.value if spec is None else f"{CostModel.ANALYTIC.value} ({spec.name})",
-        selective_op_overhead_ms=_selective_op_overhead_ms(model, inputs, spec),
-        checkpoint_call_ms=checkpoint_cost.call_ms,
-        checkpoint_op_ms=checkpoint_cost.per_operator_ms,
+        selective_op_overhead_ms=selective_op_overhead_ms(model, inputs, spec),
+        checkpoint_call_ms=prices.call_ms,
+        checkpoint_op_ms=prices.per_operator_ms,
         memory_counting=current_counting(),
     )
     calibrated = calibrate_workspace(profiled, interpreter.records)
     return dataclasses.replace(calibrated, static=static)
-
-
-def _checkpoint_cost(
-    model: torch.nn.Module, inputs: tuple[Any, ...], spec: DeviceSpec | None
-) -> CheckpointCost:
-    """The spec's estimates for analytic times, else measured on the device of the model's tensors."""
-    if spec is not None:
-        return CheckpointCost(call_ms=spec.checkpoint_call_ms, per_operator_ms=spec.checkpoint_op_ms)
-    return measure_checkpoint_cost(_device_of(model, inputs))
-
-
-def _device_of(model: torch.nn.Module, inputs: tuple[Any, ...]) -> torch.device:
-    tensors = [*model.parameters(), *tensors_in(inputs)]
-    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _attention_on_meta(
@@ -597,52 +562,6 @@ def _attention_on_meta(
     if spec is None or not any(t.is_meta for t in [*model.parameters(), *tensors_in(inputs)]):
         return nullcontext()
     return planned_attention(spec)
-
-
-def _selective_op_overhead_ms(
-    model: torch.nn.Module, inputs: tuple[Any, ...], spec: DeviceSpec | None
-) -> float:
-    """The spec's estimate for analytic times, else measured on the device of the model's tensors."""
-    if spec is not None:
-        return spec.selective_op_overhead_ms
-    return measure_selective_op_overhead_ms(_device_of(model, inputs))
-
-
-def _forbid_replaying_mutated_inputs(interpreter: _ProfilingInterpreter) -> None:
-    """Mark not checkpointable every node that reads a storage before an in-place write to it.
-
-    A checkpointed region keeps its input storages to replay itself, and refuses to replay from one
-    that was written in place since (autograd's version check). A region that starts after storage
-    S was made and contains a node reading S has S as an input; if S is written at or after that
-    node, the replay fails. So every reader of S between S's creator (exclusive) and its last
-    in-place writer (inclusive) stays out of checkpointed regions. capture/in_place.py runs the common
-    in-place ops out of place where that is safe, so this rarely applies.
-    """
-    records = [interpreter.records[name] for name in interpreter.order]
-    created_at = {storage: index for index, record in enumerate(records) for storage in record.creates}
-    for writer_index, writer in enumerate(records):
-        for storage in writer.mutates:
-            start = created_at.get(storage, -1) + 1
-            for record in records[start : writer_index + 1]:
-                if storage in record.reads or storage in record.saves:
-                    record.checkpointable = False
-
-
-def _cost_spec(
-    model: torch.nn.Module, inputs: tuple[Any, ...], cost_model: CostModel, device: str | DeviceSpec | None
-) -> DeviceSpec | None:
-    """The device spec of the analytic cost model, or None to measure times."""
-    on_meta = any(t.is_meta for t in [*model.parameters(), *tensors_in(inputs)])
-    if cost_model is CostModel.MEASURED:
-        if on_meta:
-            raise ValueError(
-                "a model on the meta device cannot be timed; pass cost_model='analytic' and the "
-                "device to plan for, e.g. device='h100'"
-            )
-        return None
-    if device is None:
-        raise ValueError("cost_model='analytic' needs device= (one of 'h100', 'a100', 'cpu' or a DeviceSpec)")
-    return device_spec(device)
 
 
 def _measured_times(

@@ -36,6 +36,9 @@ __all__ = [
     "Meters",
     "NodeRecord",
     "ProfilingTracker",
+    "ReleasedOnUnpack",
+    "UnpackedAgain",
+    "forbid_replaying_mutated_inputs",
     "moved_bytes",
 ]
 
@@ -239,3 +242,48 @@ def moved_bytes(inputs: Any, output: Any) -> int:
     if outputs and all(t._base is not None and id(t._base) in bases for t in outputs):
         return 0
     return _tensor_bytes(inputs) + _tensor_bytes(output)
+
+
+class UnpackedAgain(RuntimeError):
+    """A backward unpacked a saved tensor again after its first unpack's user had freed it."""
+
+
+class ReleasedOnUnpack:
+    """A saved tensor held as non-reentrant checkpoint holds its replay's tensors: until autograd first
+    unpacks it, then only by the backward formula using it (NOTE [replay's early frees] in
+    calibration.py)."""
+
+    __slots__ = ("tensor", "unpacked")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.unpacked: weakref.ref[torch.Tensor] | None = None
+
+    def take(self) -> torch.Tensor:
+        if self.tensor is not None:
+            first, self.tensor = self.tensor, None
+            self.unpacked = weakref.ref(first)
+            return first
+        again = self.unpacked() if self.unpacked is not None else None
+        if again is None:
+            raise UnpackedAgain("a backward unpacked a saved tensor again after freeing it")
+        return again
+
+
+def forbid_replaying_mutated_inputs(records: list[NodeRecord]) -> None:
+    """Mark not checkpointable every node that reads a storage before an in-place write to it.
+
+    A checkpointed region keeps its input storages to replay itself, and refuses to replay from one
+    that was written in place since (autograd's version check). A region that starts after storage
+    S was made and contains a node reading S has S as an input; if S is written at or after that
+    node, the replay fails. So every reader of S between S's creator (exclusive) and its last
+    in-place writer (inclusive) stays out of checkpointed regions. capture/in_place.py runs the common
+    in-place ops out of place where that is safe, so this rarely applies.
+    """
+    created_at = {storage: index for index, record in enumerate(records) for storage in record.creates}
+    for writer_index, writer in enumerate(records):
+        for storage in writer.mutates:
+            start = created_at.get(storage, -1) + 1
+            for record in records[start : writer_index + 1]:
+                if storage in record.reads or storage in record.saves:
+                    record.checkpointable = False

@@ -96,15 +96,16 @@ def _to(value: Any, device: torch.device) -> Any:
 
 
 def calls_on(names: tuple[str, ...], device: torch.device) -> Iterator[Call]:
-    """Each named zoo or real-zoo model and its example call, moved to `device` (a real-zoo entry whose
-    library is not installed is skipped, with a warning)."""
+    """Each named zoo, real-zoo or sized-zoo model and its example call, moved to `device` (an entry
+    whose library is not installed is skipped, with a warning)."""
     from planner.testing.zoo_real import REAL_ZOO, build_call
+    from planner.testing.zoo_sized import SIZED_ZOO
 
     for name in names:
-        if name in REAL_ZOO:
+        if name in REAL_ZOO or name in SIZED_ZOO:
             try:
-                call = build_call(name)
-            except ImportError as error:  # transformers is a dev extra
+                call = SIZED_ZOO[name].build() if name in SIZED_ZOO else build_call(name)
+            except ImportError as error:  # transformers, timm: dev extras or not installable here
                 log.warning("%s skipped: %s", name, error)
                 continue
             yield Call(name, call.model.to(device), _to(call.args, device), _to(call.kwargs, device))
@@ -355,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_MODELS)}, one budget")
-    parser.add_argument("--models", help="comma-separated zoo or zoo_real names (default: all)")
+    parser.add_argument("--models", help="comma-separated zoo, zoo_real or zoo_sized names (default: all)")
+    parser.add_argument(
+        "--fractions",
+        help=f"comma-separated budgets between the lowest peak (0) and none (1) (default: {FRACTIONS})",
+    )
     parser.add_argument(
         "--snapshots", type=Path, help="write each model's measured allocator history and plan here (CUDA)"
     )
@@ -376,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         names = QUICK_MODELS
     else:
         names = (*FIDELITY_ZOO, *HF_MODELS)
-    fractions = (0.5,) if arguments.quick else FRACTIONS
+    if arguments.fractions:
+        fractions = tuple(float(fraction) for fraction in arguments.fractions.split(","))
+    else:
+        fractions = (0.5,) if arguments.quick else FRACTIONS
     document: dict[str, Any] = {
         "device": facts,
         "ran_on": str(device),

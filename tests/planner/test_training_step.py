@@ -196,6 +196,31 @@ def test_a_named_optimizer_planned_for_a_gpu_counts_foreach_temporaries() -> Non
     assert workspace["gpu"] == workspace["cpu-foreach"] > 2 * workspace["cpu"], workspace
 
 
+def test_step_counts_are_device_memory_only_where_the_optimizer_keeps_them_there() -> None:
+    """Adam keeps each parameter's step count on the host unless it is fused (NOTE [step counts on the
+    host]): planned for an H100, "adam" holds its two moments alone; on the CPU, and fused on the GPU,
+    a 512-byte block per parameter more."""
+    model, inputs = build("wide_mlp")
+    parameters = list(model.parameters())
+    moments_bytes = sum(2 * max(512, -(-p.numel() * p.element_size() // 512) * 512) for p in parameters)
+    counts_bytes = 512 * len(parameters)
+    state = {}
+    for label, optimizer, device in (
+        ("gpu", "adam", "h100"),
+        ("gpu-fused", torch.optim.Adam(model.parameters(), fused=True), "h100"),
+        ("cpu", "adam", "cpu"),
+    ):
+        plan = planner.optimize(
+            model, inputs, budget_bytes=2**40, optimizer=optimizer, cost_model="analytic", device=device
+        )
+        state[label] = plan.graph.static.optimizer_state_bytes
+    assert state == {
+        "gpu": moments_bytes,
+        "gpu-fused": moments_bytes + counts_bytes,
+        "cpu": moments_bytes + counts_bytes,
+    }
+
+
 def test_an_optimizer_instance_keeps_its_groups_or_applies_to_every_parameter() -> None:
     """Per-group settings are kept (a group with SGD momentum has state, one without has none); an
     instance over a copy of the model is applied with its defaults, as to the model itself."""

@@ -362,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated budgets between the lowest peak (0) and none (1) (default: {FRACTIONS})",
     )
     parser.add_argument(
-        "--snapshots", type=Path, help="write each model's measured allocator history and plan here (CUDA)"
+        "--snapshots",
+        type=Path,
+        help="write each model's measured allocator history and plan here (CUDA; one model per run: "
+        "recording a second crashed autograd under torch 2.11)",
     )
     parser.add_argument(
         "--deadline-s",

@@ -512,8 +512,7 @@ def _profiled_graph(
         tracker = _measuring_tracker(model, inputs, graph_module)
         with _rng_replayed(), tracker, _attention_on_meta(model, inputs, spec):
             interpreter, _ = _profile_step(graph_module, inputs, loss_fn, targets, tracker, split)
-        if split or captured.opaque_modules:
-            _measure_released_peaks(interpreter, model, inputs, loss_fn, targets, split, spec)
+        _measure_released_peaks(interpreter, model, inputs, loss_fn, targets, split, spec)
         forbid_replaying_mutated_inputs([interpreter.records[name] for name in interpreter.order])
         if spec is None:
             forward_ms, backward_ms = _measured_times(

@@ -29,6 +29,7 @@ __all__ = [
     "CostModel",
     "OptimizerName",
     "BLOCK_BYTES",
+    "COMPILED_CAPTURE",
     "GLUE_OP",
     "GRAPH_SCHEMA",
     "MemoryCounting",
@@ -382,6 +383,10 @@ class TrainingStep:
         )
 
 
+COMPILED_CAPTURE = "torch.compile"
+"""How the capture of a compiled step's joint graph begins (planner/compiled/joint_graph.py)."""
+
+
 @dataclass(frozen=True)
 class ActivationGraph:
     """The model as the planner sees it: nodes in execution order, storages, static bytes."""
@@ -411,6 +416,12 @@ class ActivationGraph:
     simulation/micro_batches.py)."""
     memory_counting: MemoryCounting = MemoryCounting.BLOCKS
     """How each storage's bytes are counted in every figure of the graph (NOTE [counted bytes])."""
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the graph is a compiled step's (its regions recomputed by inductor's partitioner, not
+        by `torch.utils.checkpoint`)."""
+        return self.capture.startswith(COMPILED_CAPTURE)
 
     def index_of(self, name: str) -> int:
         """Position of the node called `name` in execution order."""

@@ -55,7 +55,7 @@ from planner.compiled.groups import (
     random_draws,
 )
 from planner.compiled.joint_reader import JointReader
-from planner.ir import ActivationGraph, Node, Schedule, StaticBytes
+from planner.ir import COMPILED_CAPTURE, ActivationGraph, Node, Schedule, StaticBytes
 from planner.profiler.cost_model import BACKWARD_FACTOR, DeviceSpec, analytic_forward_ms
 from planner.profiler.counting import current_counting
 from planner.profiler.interpreter import LOSS_NODE
@@ -251,7 +251,7 @@ def build_compiled_graph(
         nodes=(*nodes, loss_node),
         storage_bytes=storage_bytes,
         static=dataclasses.replace(static, gradient_bytes=gradient_bytes),
-        capture=f"torch.compile (inductor joint graph, {len(reader.forward)} forward operators)",
+        capture=f"{COMPILED_CAPTURE} (inductor joint graph, {len(reader.forward)} forward operators)",
         optimizer=optimizer,
         timing=f"analytic ({spec.name})",
         memory_counting=current_counting(),

@@ -56,6 +56,31 @@ def test_checkpointing_two_nodes_replays_up_to_the_trigger_and_can_raise_the_pea
     assert result.recompute_ms == pytest.approx(1.0)
 
 
+def test_a_checkpointed_region_that_saves_nothing_holds_nothing() -> None:
+    """NOTE [regions that save nothing]: n1 saves nothing for backward (a mask made from tensors that
+    need no grad), so checkpoint keeps no frame for it, its input s0 goes after its forward as without
+    checkpointing, and nothing is replayed: the step is the same as storing everything."""
+    graph = chain_graph([2, 2, 2])
+    nodes = list(graph.nodes)
+    nodes[1] = dataclasses.replace(nodes[1], saves=(), saves_anything=False)
+    graph = dataclasses.replace(graph, nodes=tuple(nodes))
+    schedule = Schedule(
+        regions=(
+            Region(0, 1, RegionPolicy.STORE),
+            Region(1, 2, RegionPolicy.CHECKPOINT),
+            Region(2, 4, RegionPolicy.STORE),
+        ),
+        solver="test",
+    )
+    stored = simulate(graph, store_everything(graph))
+    checkpointed = simulate(graph, schedule)
+    assert [step.live_bytes for step in checkpointed.trace] == [step.live_bytes for step in stored.trace]
+    assert checkpointed.peak_bytes == stored.peak_bytes
+    assert checkpointed.recompute_ms == pytest.approx(checkpoint_overhead_ms(graph, schedule.regions[1]))
+    chain = build_chain(graph)
+    assert region_cost(chain, schedule.regions[1], held_in=frozenset()).charged_bytes == 0
+
+
 def test_a_region_that_keeps_pays_the_selective_policy_on_each_of_its_operators() -> None:
     graph = chain_graph([2, 2, 2])
     priced = with_selective_price(graph, [3] * len(graph.nodes), 0.1)

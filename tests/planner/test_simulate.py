@@ -18,6 +18,18 @@ from planner.testing.synthetic_graphs import MIB, chain_graph, with_selective_pr
 STATIC_MIB = 4 + 1 + 8  # parameters + inputs + Adam state of `chain_graph`
 
 
+def one_region(graph: ActivationGraph, start: int, stop: int) -> Schedule:
+    """Nodes start..stop-1 checkpointed, the rest stored."""
+    return Schedule(
+        regions=(
+            Region(0, start, RegionPolicy.STORE),
+            Region(start, stop, RegionPolicy.CHECKPOINT),
+            Region(stop, len(graph.nodes), RegionPolicy.STORE),
+        ),
+        solver="test",
+    )
+
+
 def test_store_everything_peaks_at_first_backward_node_with_saved_inputs() -> None:
     graph = chain_graph([2, 2, 2])
     result = simulate(graph, store_everything(graph))
@@ -36,15 +48,7 @@ def test_checkpointing_two_nodes_replays_up_to_the_trigger_and_can_raise_the_pea
     nodes[1] = dataclasses.replace(nodes[1], forward_workspace_bytes=8 * MIB)
     nodes[3] = dataclasses.replace(nodes[3], backward_workspace_bytes=2 * MIB)  # the loss's gradient
     graph = dataclasses.replace(graph, nodes=tuple(nodes))
-    schedule = Schedule(
-        regions=(
-            Region(0, 1, RegionPolicy.STORE),
-            Region(1, 3, RegionPolicy.CHECKPOINT),
-            Region(3, 4, RegionPolicy.STORE),
-        ),
-        solver="test",
-    )
-    result = simulate(graph, schedule)
+    result = simulate(graph, one_region(graph, 1, 3))
     # Without checkpointing the peak is n1's forward: s0 (2) + s1 (2) + its workspace (8).
     assert simulate(graph, store_everything(graph)).peak_bytes == int((STATIC_MIB + 12) * MIB)
     # Replay at n2: s0 retained (2) + n1 replayed, s1 (2) and its workspace (8), beside the gradient in
@@ -64,14 +68,7 @@ def test_a_checkpointed_region_that_saves_nothing_holds_nothing() -> None:
     nodes = list(graph.nodes)
     nodes[1] = dataclasses.replace(nodes[1], saves=(), saves_anything=False)
     graph = dataclasses.replace(graph, nodes=tuple(nodes))
-    schedule = Schedule(
-        regions=(
-            Region(0, 1, RegionPolicy.STORE),
-            Region(1, 2, RegionPolicy.CHECKPOINT),
-            Region(2, 4, RegionPolicy.STORE),
-        ),
-        solver="test",
-    )
+    schedule = one_region(graph, 1, 2)
     stored = simulate(graph, store_everything(graph))
     checkpointed = simulate(graph, schedule)
     assert [step.live_bytes for step in checkpointed.trace] == [step.live_bytes for step in stored.trace]

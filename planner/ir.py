@@ -210,6 +210,10 @@ class Node:
     replayed_when_kept: tuple[str, ...] = ()
     """Storages among `creates` that a selective policy makes again in the replay rather than cache when
     it keeps this node (a weight's autocast cast): they leave after their last reader as unkept ones do."""
+    buffer_bytes: int = 0
+    """Bytes of the module buffers the node reads (BatchNorm's statistics), as counted: a checkpointed
+    region's replay copies them to restore them after it (NOTE [buffer copies] in
+    simulation/replay.py)."""
     forward_flops: int = 0
     """FLOPs of the forward as `torch.utils.flop_counter` counts them (matmuls, convolutions)."""
     moved_bytes: int = 0

@@ -38,6 +38,7 @@ from planner.profiler.counting import (
     counted_bytes,
     counting_scope,
     current_counting,
+    module_buffer_bytes,
     storage_of,
     tensors_in,
 )
@@ -78,6 +79,19 @@ def _describe(node: fx.Node, graph_module: fx.GraphModule) -> tuple[str, str]:
     if node.op == "call_function":
         return getattr(node.target, "__name__", str(node.target)), module_path
     return f".{node.target}()", module_path
+
+
+def _buffer_bytes(node: fx.Node, graph_module: fx.GraphModule) -> int:
+    """Bytes of the buffers `node` reads: its module's, or those its `get_attr` inputs fetch."""
+    if node.op == "call_module":
+        return module_buffer_bytes(graph_module.get_submodule(str(node.target)))
+    buffers = dict(graph_module.named_buffers())
+    fetched = {
+        str(source.target): buffers[str(source.target)]
+        for source in node.all_input_nodes
+        if source.op == "get_attr" and str(source.target) in buffers
+    }
+    return sum(counted_bytes(buffer.numel() * buffer.element_size()) for buffer in fetched.values())
 
 
 def _flags(node: fx.Node, graph_module: fx.GraphModule) -> dict[str, bool]:
@@ -237,6 +251,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             op=op,
             module_path=module_path,
             inputs=tuple(str(a) for a in n.all_input_nodes),
+            buffer_bytes=_buffer_bytes(n, self.module),  # type: ignore[arg-type]
             **_flags(n, self.module),  # type: ignore[arg-type]
         )
 
@@ -449,6 +464,7 @@ def _to_nodes(
                 backward_workspace_bytes=0,
                 parameter_gradient_bytes=record.parameter_gradient_bytes,
                 keep_cache_bytes=record.keep_cache_bytes,
+                buffer_bytes=record.buffer_bytes,
                 replayed_when_kept=tuple(name for name in record.creates if name in replayed),
                 forward_flops=record.forward_flops,
                 moved_bytes=record.moved_bytes,

@@ -81,6 +81,7 @@ class NodeRecord:
     None where that step did not run."""
     parameter_gradient_bytes: int = 0
     keep_cache_bytes: int = 0
+    buffer_bytes: int = 0
     forward_flops: int = 0
     moved_bytes: int = 0
     operator_count: int = 1

@@ -52,6 +52,7 @@ NODE_NUMBERS = (
     "replay_release_bytes",
     "parameter_gradient_bytes",
     "keep_cache_bytes",
+    "buffer_bytes",
     "forward_flops",
     "moved_bytes",
     "operator_count",

@@ -105,6 +105,7 @@ class RegionCosts:
             node.replay_workspace_bytes,
             node.replay_stop_bytes,
             node.replay_release_bytes,
+            node.buffer_bytes,
             node.parameter_gradient_bytes,
         )
 

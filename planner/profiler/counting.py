@@ -61,7 +61,6 @@ __all__ = [
     "counting_scope",
     "current_counting",
     "local_tensors",
-    "module_buffer_bytes",
     "storage_of",
     "storage_bytes",
     "tensors_in",
@@ -88,12 +87,6 @@ def current_counting() -> MemoryCounting:
 def counted_bytes(size_bytes: int) -> int:
     """`size_bytes` of one storage or allocation, as the current counting counts it."""
     return _COUNTING.get().of(size_bytes)
-
-
-def module_buffer_bytes(module: torch.nn.Module) -> int:
-    """Bytes of `module`'s buffers, each as counted (what a checkpoint replay copies to restore them:
-    NOTE [buffer copies] in simulation/replay.py)."""
-    return sum(counted_bytes(buffer.numel() * buffer.element_size()) for buffer in module.buffers())
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

@@ -38,7 +38,7 @@ from planner.profiler.counting import (
     counted_bytes,
     counting_scope,
     current_counting,
-    module_buffer_bytes,
+    storage_bytes,
     storage_of,
     tensors_in,
 )
@@ -82,16 +82,18 @@ def _describe(node: fx.Node, graph_module: fx.GraphModule) -> tuple[str, str]:
 
 
 def _buffer_bytes(node: fx.Node, graph_module: fx.GraphModule) -> int:
-    """Bytes of the buffers `node` reads: its module's, or those its `get_attr` inputs fetch."""
+    """Bytes of the buffers `node` reads, its module's or those its `get_attr` inputs fetch: what a
+    replay copies to restore them (NOTE [buffer copies] in simulation/replay.py)."""
     if node.op == "call_module":
-        return module_buffer_bytes(graph_module.get_submodule(str(node.target)))
-    buffers = dict(graph_module.named_buffers())
-    fetched = {
-        str(source.target): buffers[str(source.target)]
-        for source in node.all_input_nodes
-        if source.op == "get_attr" and str(source.target) in buffers
-    }
-    return sum(counted_bytes(buffer.numel() * buffer.element_size()) for buffer in fetched.values())
+        return storage_bytes(graph_module.get_submodule(str(node.target)).buffers())
+    fetched = []
+    for source in node.all_input_nodes:
+        if source.op == "get_attr":
+            owner, _, name = str(source.target).rpartition(".")
+            buffer = graph_module.get_submodule(owner)._buffers.get(name)
+            if buffer is not None:
+                fetched.append(buffer)
+    return storage_bytes(fetched)
 
 
 def _flags(node: fx.Node, graph_module: fx.GraphModule) -> dict[str, bool]:

@@ -27,7 +27,7 @@ from planner.capture.chain import candidate_units, has_hooks
 from planner.capture.model_call import MODEL_CALL
 from planner.capture.records import Capture
 from planner.ir import GLUE_OP
-from planner.profiler.counting import module_buffer_bytes, tensors_in
+from planner.profiler.counting import storage_bytes, tensors_in
 from planner.profiler.records import RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
 
 __all__ = ["NodeRecorder", "SplitCall", "split_calls", "static_split_calls"]
@@ -159,7 +159,7 @@ class SplitCall:
                 inputs=(),
                 random=isinstance(child, RANDOM_MODULES),
                 stateful=any(True for _ in child.buffers()),
-                buffer_bytes=module_buffer_bytes(child),
+                buffer_bytes=storage_bytes(child.buffers()),
                 checkpointable=unit not in self.hooked,
                 part_of=self.node.name,
             )

@@ -74,6 +74,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from planner.capture.attention_masks import drop_size_only_masks
 from planner.capture.in_place import run_out_of_place
 from planner.capture.kept_whole import refuse_traced_call, refused_while_tracing, stored_during
+from planner.capture.lifted_scalars import scalars_given_back
 from planner.capture.records import (
     Capture,
     CapturePath,
@@ -305,6 +306,7 @@ def _capture_fx(
         graph_module = fx.GraphModule(tracer.root, graph, type(model).__name__)
         exported = inline_exported_containers(graph_module, model, opaque, example) if example else []
         run_out_of_place(graph_module, model)
+        scalars_given_back(graph_module)
         call = GraphCall(signature=signature)
         inputs = call.graph_inputs(example.args, example.kwargs) if example is not None else ()
         if exported:
@@ -454,6 +456,7 @@ def _capture_export(
     guards = getattr(graph_module, EXPORT_GUARDS_MODULE, None)
     drop_export_guards(graph_module)
     run_out_of_place(graph_module, model)
+    scalars_given_back(graph_module)
     _, spec = tree_flatten((args, kwargs))
     exported_shapes = None
     if dynamic:

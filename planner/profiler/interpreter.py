@@ -52,6 +52,7 @@ from planner.profiler.records import (
     ReleasedOnUnpack,
     UnpackedAgain,
     forbid_replaying_mutated_inputs,
+    free_dead_values,
 )
 from planner.profiler.selective_cost import draws_random_numbers
 from planner.profiler.split_calls import SplitCall, split_calls, static_split_calls
@@ -64,9 +65,8 @@ log = logging.getLogger(__name__)
 
 LOSS_NODE = "loss"
 TIMING_REPEATS = 3
-"""Timed profiling steps after the measuring one; per-node times are their minimums. Timing noise on a
-shared machine only ever adds time (preemption, cache misses from other jobs), so the fastest run is the
-best estimate of a node's own cost; a median of three still carries any noise two runs share."""
+"""Timed profiling steps after the measuring one; per-node times are their minimums: noise on a shared
+machine only adds time (preemption, other jobs' cache misses), so the fastest run is a node's own cost."""
 
 
 def _describe(node: fx.Node, graph_module: fx.GraphModule) -> tuple[str, str]:
@@ -129,6 +129,7 @@ class _ProfilingInterpreter(fx.Interpreter):
         split_units: Mapping[str, tuple[str, ...]],
     ) -> None:
         super().__init__(graph_module)
+        free_dead_values(self)
         self.tracker = tracker
         self.split_units = split_units
         """Per module target whose calls are profiled in parts: its children (NOTE [split calls])."""
@@ -408,8 +409,7 @@ def _measuring_tracker(
 
 
 def _rng_replayed() -> contextlib.AbstractContextManager[Any]:
-    """The random state as it was before, after the block: a second measuring step draws the same
-    numbers (dropout before a routing by value routes the same tokens)."""
+    """The random state restored after the block: a second measuring step draws the same numbers."""
     return torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else [])
 
 

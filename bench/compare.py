@@ -120,6 +120,7 @@ from planner.testing.steps import (
     copied_variant,
     one_step,
     variant_of,
+    with_run_to_run_noise,
 )
 from planner.testing.zoo_real import ExampleCall, build_call
 from planner.testing.zoo_sized import SIZED_ZOO
@@ -357,7 +358,10 @@ def benchmark_model(name: str, settings: Settings) -> ModelResult:
     started_s = time.perf_counter()
     call = build_example(name, settings.device)
     result = ModelResult(name=name, device=settings.device)
-    reference = one_step(variant_of(call.model), call.args, kwargs=call.kwargs)
+    reference = with_run_to_run_noise(
+        one_step(variant_of(call.model), call.args, kwargs=call.kwargs),
+        one_step(variant_of(call.model), call.args, kwargs=call.kwargs),
+    )
     eager: list[Row] = []
     if not settings.compiled_only:
         reference_plan = optimize_at(call, REFERENCE_BUDGET_BYTES, "dp")

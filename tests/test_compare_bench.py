@@ -10,6 +10,7 @@ does see compiled code running.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import math
@@ -27,7 +28,7 @@ from bench import compare_measurement as measurement
 from bench import compare_report as report
 from bench import prediction_verdicts as verdicts
 from planner.profiler.measurement import default_loss
-from planner.testing.steps import one_step
+from planner.testing.steps import StepRecord, gradient_mismatch, one_step, with_run_to_run_noise
 from planner.testing.zoo_real import ExampleCall
 from planner.testing.zoo_sized import SIZED_ZOO
 
@@ -213,6 +214,30 @@ class TinyMLP(nn.Module):
 def tiny_call() -> ExampleCall:
     torch.manual_seed(0)
     return ExampleCall(TinyMLP(), (torch.randn(128, 64),))
+
+
+def _nudged(record: StepRecord, name: str, by: float) -> StepRecord:
+    gradients = dict(record.gradients)
+    gradient = gradients[name]
+    assert gradient is not None
+    gradients[name] = gradient + by
+    return dataclasses.replace(record, gradients=gradients)
+
+
+def test_a_gradient_may_differ_by_twice_the_references_own_run_to_run_noise_and_no_more() -> None:
+    """NOTE [run-to-run noise]: a bias whose gradient is ~0 differs between two runs of one GPU step."""
+    call = tiny_call()
+    record = one_step(call.model, call.args)
+    name = "down.bias"
+    scale = record.gradients[name].abs().max().item()  # type: ignore[union-attr]
+    noise = 1e-3 * scale
+    noisy = with_run_to_run_noise(record, _nudged(record, name, noise))
+    assert noisy.gradient_noise[name] == pytest.approx(noise, rel=1e-3)
+    assert with_run_to_run_noise(record, one_step(call.model, call.args)).gradient_noise[name] == 0.0
+    within, beyond = _nudged(record, name, 1.9 * noise), _nudged(record, name, 2.1 * noise)
+    assert gradient_mismatch(noisy, within, rtol=peers.GRADIENT_RTOL) is None
+    assert gradient_mismatch(record, within, rtol=peers.GRADIENT_RTOL) is not None
+    assert name in str(gradient_mismatch(noisy, beyond, rtol=peers.GRADIENT_RTOL))
 
 
 def test_allocator_events_count_an_eager_step_as_the_live_storage_tracker_does() -> None:

@@ -296,13 +296,14 @@ def free_dead_values(interpreter: fx.Interpreter) -> None:
     """Have `interpreter` free each value no node reads right after making it, as a GraphModule's code
     does.
 
-    NOTE [dead values]: an exported graph can hold operators whose outputs nothing reads (Hugging Face's
-    mask builders leave `unsqueeze` views of an `arange` behind). The code a GraphModule generates frees
-    such a value at once, but `fx.Interpreter` frees a value only after its last reader, so it held
-    each to the end of the profiling step, and every later node's forward peak measured those storages
-    as its own workspace. Replays count a node's forward workspace: zoo_real's T5 was predicted up to
-    5,632 bytes above the measurement of its decoder layers checkpointed one by one (ten blocks of
-    views of masks' `arange`s)."""
+    NOTE [dead values]: a captured graph can hold operators whose outputs nothing reads (Hugging Face's
+    mask builders leave `unsqueeze` views of an `arange` behind; a slice assignment is a `copy_` whose
+    output, a view, holds the whole tensor). The code a GraphModule generates frees such a value at
+    once, but `fx.Interpreter` frees a value only after its last reader, so it held each to the end of
+    the profiling step, and every later node's forward peak measured those storages as its own
+    workspace. Replays count a node's forward workspace: zoo_real's T5 was predicted up to 5,632 bytes
+    above the measurement of its decoder layers checkpointed one by one (ten blocks of views of masks'
+    `arange`s), and the zoo's inplace_mlp 1.5 MB above with every `up` projection checkpointed."""
     for node in interpreter.graph.nodes:
         if not node.users and node.op != "output":
             interpreter.user_to_last_uses.setdefault(node, []).append(node)

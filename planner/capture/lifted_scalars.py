@@ -1,8 +1,9 @@
 """Scalar constants that export lifts into the graph, given back to the operators as Python numbers.
 
 Why it exists: the captured module must cost no more than the model it came from (issue 35), and an
-exported graph can hold a constant the model never keeps. `scalars_given_back` is a rewrite of an
-exported graph on its own, run by the export level of the capture chain (chain.py).
+exported graph can hold a constant the model never keeps. `scalars_given_back` is a rewrite of an fx
+graph on its own, run by both levels of the capture chain (chain.py): the FX level's graph inlines
+exported containers.
 
 NOTE [lifted scalars]: an assignment of a Python number into a tensor (`shifted[..., 0] = start_id` in
 Hugging Face T5's `_shift_right`) runs in eager as `fill_` with a Scalar and allocates nothing, but

@@ -81,7 +81,7 @@ def with_run_to_run_noise(record: StepRecord, again: StepRecord) -> StepRecord:
 
     NOTE [run-to-run noise]: on a GPU some kernels accumulate in an order that changes from run to run
     (atomics in convolution and attention backward), so one model's step, run twice, gives gradients
-    that differ in rounding. On an H200 diffusers' UNet2DConditionModel differed so by 1.7e-7 to
+    that differ in rounding. On an H200 diffusers' UNet2DModel differed so by 1.7e-7 to
     3.4e-7 in a `to_k.bias` whose true gradient is zero, far beyond a tolerance relative to that
     gradient's own scale, and every row of `bench.compare` failed the check, the row without checkpointing
     included. A compared gradient may therefore also differ by `NOISE_FACTOR` times the reference's

@@ -43,6 +43,12 @@ INLINE_MOE = "inline_moe_transformer"
 """zoo_dag's `InlineMoETransformer`: not in the real zoo, whose every test would run it."""
 
 
+def step_peak_bytes(name: str, module: torch.nn.Module, call: ExampleCall) -> int:
+    """`measured_peak_bytes`, with `INLINE_MOE`'s routing held still as the real zoo's mixture of
+    experts' is (NOTE [routing by value] in tests/planner/real_models.py)."""
+    return measured_peak_bytes(name, module, call, routes_by_value=name == INLINE_MOE)
+
+
 def example_call(name: str) -> ExampleCall:
     if name == INLINE_MOE:
         with torch.random.fork_rng(devices=[]):
@@ -85,7 +91,7 @@ def hand_peak_bytes(name: str, method: str) -> int:
     call = example_call(name)
     variant = methods_of(call)[method].variant
     assert variant is not None
-    return measured_peak_bytes(name, variant.module, call)
+    return step_peak_bytes(name, variant.module, call)
 
 
 @cache
@@ -103,7 +109,7 @@ measured_plans: dict[tuple[str, tuple[Region, ...]], int] = {}
 def measured_plan_bytes(name: str, plan: planner.Plan) -> int:
     key = (name, plan.schedule.checkpointed)
     if key not in measured_plans:
-        measured_plans[key] = measured_peak_bytes(name, copy.deepcopy(plan.module), example_call(name))
+        measured_plans[key] = step_peak_bytes(name, copy.deepcopy(plan.module), example_call(name))
     return measured_plans[key]
 
 
@@ -187,10 +193,12 @@ def test_the_schedule_a_switch_runs_fits_the_switchs_measured_peak(name: str) ->
     assert ours.simulation.recompute_ms <= every_layer.recompute_ms + 1e-9, ours.summary()
 
 
-EXACT_MODELS = (*SWITCH_CONTAINERS, "hf_t5", "inplace_mlp", "resnet", "densenet", "unet")
+EXACT_MODELS = (*SWITCH_CONTAINERS, "hf_t5", "inplace_mlp", "resnet", "densenet", "unet", INLINE_MOE)
 """Models whose every hand schedule is predicted to the byte (docs/limits.md names the zoo's others).
 T5's were up to 5,120 bytes high until NOTE [lifted scalars] and NOTE [dead values], inplace_mlp's
-260 KB and 1.5 MB until NOTE [dead values]."""
+260 KB and 1.5 MB until NOTE [dead values]. The inline mixture of experts' opaque blocks are exact
+with their routing held still (Adam at lr 0): at lr 1e-3 √n segments measure 207,872 bytes above,
+the routing Adam moved."""
 
 
 @pytest.mark.parametrize("name", [name for name in EXACT_MODELS if name in MODELS])
@@ -207,5 +215,5 @@ def test_every_hand_schedule_on_the_graph_is_predicted_to_the_byte(name: str) ->
     call = example_call(name)
     for method, schedule in hand_schedules(plan.graph).items():
         predicted_bytes = simulate(plan.graph, schedule).peak_bytes
-        measured_bytes = measured_peak_bytes(name, plan.profile.rewrite(schedule), call)
+        measured_bytes = step_peak_bytes(name, plan.profile.rewrite(schedule), call)
         assert predicted_bytes == measured_bytes, (method, predicted_bytes, measured_bytes)

@@ -48,10 +48,13 @@ switch of grad mode, which it would not record: the module doing any of them sta
 autograd functions], NOTE [tensor hooks], NOTE [stored on the module], NOTE [grad mode while tracing]
 in kept_whole.py).
 
-Both levels then run out of place the in-place ops whose writes nothing can observe (NOTE [in-place ops]
-in in_place.py), and the export level drops the attention masks a trace materialises where the model
-makes none (NOTE [materialised masks] in attention_masks.py). What a capture is, and which calls its
-graph runs, are records.py's (`Capture`, `GraphCall`, NOTE [other shapes]).
+FX records the tensors a forward makes from Python values (`torch.arange(n)`, `torch.randn(shape)`) as
+operators, which it would fold into constants the module holds (NOTE [factories while tracing] in
+factories.py). Both levels then run out of place the in-place ops whose writes nothing can observe
+(NOTE [in-place ops] in in_place.py), and the export level drops the attention masks a trace
+materialises where the model makes none (NOTE [materialised masks] in attention_masks.py). What a
+capture is, and which calls its graph runs, are records.py's (`Capture`, `GraphCall`,
+NOTE [other shapes]).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from torch.export import Dim
 from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.capture.attention_masks import drop_size_only_masks
+from planner.capture.factories import factories_recorded
 from planner.capture.in_place import run_out_of_place
 from planner.capture.kept_whole import refuse_traced_call, refused_while_tracing, stored_during
 from planner.capture.lifted_scalars import scalars_given_back
@@ -275,13 +279,21 @@ def _capture_fx(
         )
     concrete = _concrete_arguments(signature, example) if example is not None else None
     opaque: set[str] = set()
+    recording = True  # NOTE [factories while tracing] in factories.py
     while True:
         tracer = _OpaqueTracer(opaque)
         with stored_during(model) as stored:
             try:
-                with _proxies_are_tensors(), refused_while_tracing(fake_tensors=False):
+                with (
+                    _proxies_are_tensors(),
+                    factories_recorded(tracer, enabled=recording),
+                    refused_while_tracing(fake_tensors=False),
+                ):
                     graph = tracer.trace(model, concrete_args=concrete)
             except Exception as error:  # noqa: BLE001 - any tracing failure is a reason to try a coarser level
+                recording = not recording
+                if not recording:
+                    continue  # the same modules again, with factories folded as FX folds them
                 failing = _failing_module(model, error)
                 if failing is None or failing == "" or failing in opaque or len(opaque) >= MAX_OPAQUE_MODULES:
                     where = f"submodule {failing!r}" if failing else f"the forward of {type(model).__name__}"

@@ -1,0 +1,99 @@
+"""Tensors a forward makes from Python values are made each step by the captured module, as by the model
+(NOTE [factories while tracing] in planner/capture/factories.py). Before, FX folded them into constants:
+zoo_dag's diffusion U-Net held its timestep frequencies for the module's life (512 bytes its eager
+model never holds, in every prediction), and noise drawn with `torch.randn` was drawn once, at capture."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import planner
+from planner.capture.chain import capture
+from planner.profiler.static_memory import constant_bytes
+from planner.testing.steps import assert_same_step, one_step
+
+BATCH, WIDTH, HALF = 8, 32, 16
+
+
+class TimestepFrequencies(nn.Module):
+    """Two Linear layers conditioned on a diffusion timestep's sinusoidal embedding, whose frequencies
+    come from `torch.arange` of a Python int, as DDPM's do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(WIDTH, WIDTH)
+        self.time = nn.Linear(2 * HALF, WIDTH)
+        self.second = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        frequencies = torch.exp(-math.log(10000.0) * torch.arange(HALF, dtype=torch.float32) / HALF)
+        angles = timesteps.float()[:, None] * frequencies[None]
+        embedding = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+        return self.second(torch.relu(self.first(x) + self.time(embedding)))
+
+
+class NoisyLayers(nn.Module):
+    """Two Linear layers with Gaussian noise added between them, drawn in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(WIDTH, WIDTH)
+        self.second = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.first(x))
+        return self.second(hidden + 0.5 * torch.randn(BATCH, WIDTH))
+
+
+class SteeredByAFactory(nn.Module):
+    """Branches in Python on a tensor made from Python values: only a folded constant can steer it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.ones(2).sum() > 1:
+            return torch.relu(self.linear(x))
+        return self.linear(x)
+
+
+def _frequencies_call() -> tuple[TimestepFrequencies, tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    timesteps = torch.randint(0, 1000, (BATCH,), generator=generator)
+    return TimestepFrequencies(), (torch.randn(BATCH, WIDTH, generator=generator), timesteps)
+
+
+def test_frequencies_made_from_a_python_int_are_made_each_step_not_held() -> None:
+    model, inputs = _frequencies_call()
+    captured = capture(model, inputs, {})
+    assert captured.path == "fx"
+    assert constant_bytes(captured.graph_module, model) == 0
+    assert captured.graph_module.graph.find_nodes(op="call_function", target=torch.arange)
+    plan = planner.optimize(model, inputs, budget_gb=1)
+    assert plan.module is not None
+    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
+    original_bytes = planner.measure(_frequencies_call()[0], inputs).peak_bytes
+    planned_bytes = planner.measure(plan.module, inputs).peak_bytes
+    assert planned_bytes == original_bytes == plan.simulation.peak_bytes, plan.summary()
+
+
+def test_noise_drawn_in_the_forward_is_drawn_each_step_as_the_model_draws_it() -> None:
+    model = NoisyLayers()
+    inputs = (torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1)),)
+    plan = planner.optimize(model, inputs, budget_gb=1)
+    assert plan.module is not None
+    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
+    assert_same_step(one_step(model, inputs, seed=5), one_step(plan.module, inputs, seed=5))
+
+
+def test_a_factory_that_steers_python_control_flow_is_folded_as_before() -> None:
+    model = SteeredByAFactory()
+    inputs = (torch.randn(BATCH, WIDTH),)
+    captured = capture(model, inputs, {})
+    assert captured.path == "fx"
+    assert captured.opaque_modules == ()
+    assert captured.graph_module.graph.find_nodes(op="call_function", target=torch.relu)

@@ -12,6 +12,7 @@ from torch import nn
 
 import planner
 from planner.capture.chain import capture
+from planner.ir import Region, RegionPolicy, Schedule
 from planner.profiler.static_memory import constant_bytes
 from planner.testing.steps import assert_same_step, one_step
 
@@ -36,7 +37,8 @@ class TimestepFrequencies(nn.Module):
 
 
 class NoisyLayers(nn.Module):
-    """Two Linear layers with Gaussian noise added between them, drawn in the forward."""
+    """Two Linear layers with multiplicative Gaussian noise between them, drawn in the forward: the
+    backward reads the noise, so a replay that drew other numbers would change the gradients."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,7 +47,7 @@ class NoisyLayers(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = torch.tanh(self.first(x))
-        return self.second(hidden + 0.5 * torch.randn(BATCH, WIDTH))
+        return self.second(hidden * (1 + 0.5 * torch.randn(BATCH, WIDTH)))
 
 
 class SteeredByAFactory(nn.Module):
@@ -82,12 +84,29 @@ def test_frequencies_made_from_a_python_int_are_made_each_step_not_held() -> Non
 
 
 def test_noise_drawn_in_the_forward_is_drawn_each_step_as_the_model_draws_it() -> None:
+    """Without checkpointing, and with the draw inside a checkpointed region, whose replay draws the
+    same numbers again."""
     model = NoisyLayers()
     inputs = (torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1)),)
     plan = planner.optimize(model, inputs, budget_gb=1)
-    assert plan.module is not None
-    assert_same_step(one_step(model, inputs), one_step(plan.module, inputs))
-    assert_same_step(one_step(model, inputs, seed=5), one_step(plan.module, inputs, seed=5))
+    assert plan.module is not None and plan.profile is not None
+    names = [node.name for node in plan.graph.nodes]
+    assert "randn" in names, names
+    start, stop = names.index("tanh"), names.index("second")
+    assert start < names.index("randn") < stop, names
+    around_the_draw = Schedule(
+        regions=(
+            Region(0, start, RegionPolicy.STORE),
+            Region(start, stop, RegionPolicy.CHECKPOINT),
+            Region(stop, len(names), RegionPolicy.STORE),
+        ),
+        solver="test",
+    )
+    checkpointed = plan.profile.rewrite(around_the_draw)
+    for seed in (1, 5):
+        expected = one_step(model, inputs, seed=seed)
+        assert_same_step(expected, one_step(plan.module, inputs, seed=seed))
+        assert_same_step(expected, one_step(checkpointed, inputs, seed=seed))
 
 
 def test_a_factory_that_steers_python_control_flow_is_folded_as_before() -> None:

@@ -48,21 +48,23 @@ def calibrate_workspace(graph: ActivationGraph, measured: Mapping[str, MeasuredP
     (`replay_stop_bytes`, NOTE [early stop]), before the operators after it run.
 
     NOTE [replay's early frees]: autograd holds a saved tensor until the backward of the operator that
-    saved it is done, and frees it then; non-reentrant checkpoint hands autograd its replay's tensors
-    on unpack and keeps none itself, so a replayed tensor is freed as soon as the backward formula is
-    done with it, before the formula's last outputs are made. A Linear's recomputed input goes before
-    its bias gradient: checkpointing every block of `branching_root` measured 512 bytes under the
-    block's backward peak without checkpointing, and its lowest peak, that schedule, was predicted
-    512 bytes above what the hand method measures, so a budget the hand method keeps was refused.
-    The profiling step runs again with every saved tensor freed on unpack (`release_on_unpack` in
-    interpreter.py), and a node whose backward peaked lower there gets the difference as
-    `replay_release_bytes`: the simulator takes it off the node's backward workspace where every
-    storage it saves is the replay's copy and leaves at it (NOTE [early release] in
-    simulation/step.py). Every graph is measured twice, not only those with nodes of many operators: a
-    captured `linear` is several operators too, and Hugging Face BERT's every-layer schedule, what its
-    own switch checkpoints, was predicted 512 bytes above its measurement and so refused at the
-    switch's measured peak, where we planned four regions instead (on an H200, 1.06x the switch's
-    step time). The second step adds about a fifth to profiling (hf_bert 2.8 to 3.4 s)."""
+    saved it is done, and frees it then; non-reentrant checkpoint hands autograd its replay's tensors on
+    unpack and keeps none itself, so a replayed tensor is freed as soon as the backward formula is done
+    with it, before the formula's last outputs are made. A Linear's recomputed input goes before its bias
+    gradient: checkpointing every block of `branching_root` measured 512 bytes under the block's backward
+    peak without checkpointing, and its lowest peak, that schedule, was predicted 512 bytes above what the
+    hand method measures, so a budget the hand method keeps was refused. The profiling step runs again
+    with every saved tensor freed on unpack (`release_on_unpack` in interpreter.py), and a node whose
+    backward peaked lower there gets the difference as `replay_release_bytes`: the simulator takes it off
+    the node's backward workspace where every storage it saves is the replay's copy and leaves at it
+    (NOTE [early release] in simulation/step.py), a workspace below zero included, where the node's peak is a
+    moment after its saves are freed (an opaque node's `backward_points`: `moe_transformer`'s every block
+    was 512 bytes high, at its routed mixture's backward, while that went uncounted). Every graph is
+    measured twice, not only those with nodes of many operators: a captured `linear` is several operators
+    too, and Hugging Face BERT's every-layer schedule, what its own switch checkpoints, was predicted 512
+    bytes above its measurement and so refused at the switch's measured peak, where we planned four
+    regions instead (on an H200, 1.06x the switch's step time). The second step adds about a fifth to
+    profiling (hf_bert 2.8 to 3.4 s)."""
     trace = simulate(graph, store_everything(graph)).trace
     forward_predicted = {step.node: step.live_bytes for step in trace if step.phase is Phase.FORWARD}
     backward_predicted = {step.node: step.live_bytes for step in trace if step.phase is Phase.BACKWARD}

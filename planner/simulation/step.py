@@ -220,7 +220,8 @@ def backward_workspace(node: Node, pending: LiveBytes, index: int) -> int:
     """The node's backward residual on top of `pending` (NOTE [early release]): its measured or
     predicted workspace, less what it frees part way that the schedule releases at this node, and less
     its `replay_release_bytes` where everything it saves is a replay's copy leaving at it (NOTE
-    [replay's early frees] in profiler/calibration.py)."""
+    [replay's early frees] in profiler/calibration.py): from a workspace of `backward_points` even
+    below zero, as `_release_early` frees those saves first; from any other only what is there."""
     workspace = node.backward_workspace_bytes
     if node.backward_points:
         leaving = set(pending.leaving_at(index))
@@ -232,8 +233,11 @@ def backward_workspace(node: Node, pending: LiveBytes, index: int) -> int:
             )
 
         workspace = max(workspace_bytes - released(freed) for workspace_bytes, freed in node.backward_points)
-    if node.replay_release_bytes and workspace > 0 and _all_saves_replayed_here(node, pending, index):
-        workspace -= min(node.replay_release_bytes, workspace)
+    if node.replay_release_bytes and _all_saves_replayed_here(node, pending, index):
+        if node.backward_points:  # the saves it frees part way leave first (`_release_early`)
+            workspace -= node.replay_release_bytes
+        elif workspace > 0:
+            workspace -= min(node.replay_release_bytes, workspace)
     return workspace
 
 

@@ -68,7 +68,7 @@ def measured_peak_bytes(
     NOTE [routing by value]: an entry that routes tokens by value (`RealModel.routes_by_value`, or
     `routes_by_value` for a model outside the real zoo) is profiled and planned at the example's
     routing, and Adam's first step moves the routing: on moe_transformer, the plan at its lowest peak
-    measured 512 bytes over with Adam at lr 1e-3 and 256 under at lr 0; on zoo_dag's inline mixture of
+    measured 512 bytes over with Adam at lr 1e-3 and 512 under at lr 0; on zoo_dag's inline mixture of
     experts, √n segments measured 207,872 bytes (0.26 %) over their prediction at lr 1e-3 and exactly it
     at lr 0. Such entries are measured with Adam at learning rate 0, which keeps the optimizer's memory
     and the routing (and the weights of a module that shares them with the profiled model, which a

@@ -291,9 +291,10 @@ def _capture_fx(
                 ):
                     graph = tracer.trace(model, concrete_args=concrete)
             except Exception as error:  # noqa: BLE001 - any tracing failure is a reason to try a coarser level
-                recording = not recording
-                if not recording:
-                    continue  # the same modules again, with factories folded as FX folds them
+                if recording:  # the same modules again, with factories folded as FX folds them
+                    recording = False
+                    continue
+                recording = True
                 failing = _failing_module(model, error)
                 if failing is None or failing == "" or failing in opaque or len(opaque) >= MAX_OPAQUE_MODULES:
                     where = f"submodule {failing!r}" if failing else f"the forward of {type(model).__name__}"

@@ -20,7 +20,7 @@ value, tracing fails; the chain traces again without recording them (chain.py), 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,11 +60,6 @@ class _Recorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def factories_recorded(tracer: fx.Tracer, *, enabled: bool = True) -> Iterator[None]:
+def factories_recorded(tracer: fx.Tracer, *, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
     """While `tracer` traces, record factory calls on Python values (NOTE [factories while tracing])."""
-    if not enabled:
-        yield
-        return
-    with _Recorder(tracer):
-        yield
+    return _Recorder(tracer) if enabled else contextlib.nullcontext()

@@ -204,13 +204,13 @@ EXACT_MODELS = (
     "moe_transformer",
     INLINE_MOE,
 )
-"""Models whose every hand schedule is predicted to the byte (docs/limits.md names the zoo's others).
-T5's were up to 5,120 bytes high until NOTE [lifted scalars] and NOTE [dead values], inplace_mlp's
-260 KB and 1.5 MB until NOTE [dead values], the diffusion U-Net's 512 bytes (a constant FX folded)
-until NOTE [factories while tracing], and moe_transformer's every block 512 bytes until NOTE [replay's
-early frees] reached an opaque node's backward points. The inline mixture of experts' opaque blocks are exact
-with their routing held still (Adam at lr 0): at lr 1e-3 √n segments measure 207,872 bytes above,
-the routing Adam moved."""
+"""Models whose every hand schedule is held to the byte here (a one-off run over this module's caches
+found all 161 of the zoo's exact: docs/limits.md). T5's were up to 5,120 bytes high until
+NOTE [lifted scalars] and NOTE [dead values], inplace_mlp's 260 KB and 1.5 MB until NOTE [dead values], the
+diffusion U-Net's 512 bytes (a constant FX folded) until NOTE [factories while tracing], and
+moe_transformer's every block 512 bytes until NOTE [replay's early frees] reached an opaque node's
+backward points. The inline mixture of experts' opaque blocks are exact with their routing held still
+(Adam at lr 0): at lr 1e-3 √n segments measure 207,872 bytes above, the routing Adam moved."""
 
 
 @pytest.mark.parametrize("name", [name for name in EXACT_MODELS if name in MODELS])

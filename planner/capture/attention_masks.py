@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 __all__ = ["drop_size_only_masks"]
 
@@ -150,16 +150,19 @@ def _evaluations(
     """The mask's values at the example's sizes and at `SIZE_CHANGES` of them, computed on the CPU from
     its `ancestors`; None when they cannot be computed."""
     size_nodes = [node for node in ancestors if node.target is SIZE_OF]
-    example = {node: _example_size(node, sizes) for node in size_nodes}
-    if any(value is None for value in example.values()):
-        return None
+    example: dict[fx.Node, int] = {}
+    for node in size_nodes:
+        size = _example_size(node, sizes)
+        if size is None:
+            return None
+        example[node] = size
     symbols = _symbols(size_nodes, example)
     if symbols is None:
         return None
     settings: list[Callable[[int], int]] = [lambda size: size, *SIZE_CHANGES]
     evaluations = []
     for change in settings:
-        values = {node: change(example_size) for node, example_size in symbols.items()}
+        values = example | {node: change(example_size) for node, example_size in symbols.items()}
         try:
             evaluations.append(_run(ancestors, mask, values))
         except Exception:  # noqa: BLE001 - a mask we cannot compute stays as traced
@@ -175,17 +178,19 @@ def _example_size(node: fx.Node, sizes: Mapping[fx.Node, tuple[int, ...]]) -> in
     return shape[dimension] if -len(shape) <= dimension < len(shape) else None
 
 
-def _symbols(size_nodes: list[fx.Node], example: Mapping[fx.Node, int | None]) -> dict[fx.Node, int] | None:
-    """Each size node with its example size, provided that nodes of one symbol share one example size
-    (so that changing every symbolic size alike keeps them equal) and that each is a bare symbol."""
+def _symbols(size_nodes: list[fx.Node], example: Mapping[fx.Node, int]) -> dict[fx.Node, int] | None:
+    """Each size node whose size is symbolic, with its example size, provided that nodes of one symbol
+    share one example size (so that changing every symbolic size alike keeps them equal) and that each
+    is a bare symbol. A size the export specialised (an int, or a SymInt it made a constant: CLIP's
+    batch, which its contrastive loss reads as `len(logits)`) is the same in every call of the graph;
+    it keeps its example size."""
     by_symbol: dict[str, int] = {}
     symbols: dict[fx.Node, int] = {}
     for node in size_nodes:
         value = node.meta.get("val")
         size = example[node]
-        assert size is not None
-        if not isinstance(value, torch.SymInt):
-            return None  # a specialised size is a constant; the graph has no symbol to vary
+        if not isinstance(value, torch.SymInt) or is_concrete_int(value):
+            continue
         name = str(value.node.expr)
         if not name.isidentifier() or by_symbol.setdefault(name, size) != size:
             return None

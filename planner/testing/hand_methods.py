@@ -6,7 +6,9 @@ same hand methods, built the same way. They are:
 
 - "every <Type>" (`every_instance`): non-reentrant `checkpoint_wrapper` on every outermost instance of
   one module type, for each type with at least two instances that hold parameters
-  (`repeated_module_types`): blocks, layers, experts, and single Linear or norm layers too. Types whose
+  (`repeated_module_types`): blocks, layers, experts, and single Linear or norm layers too; and for each
+  type with one instance that the forward calls more than once (`shared_module_types`: ALBERT's one
+  layer, run at every depth), so that checkpointing it checkpoints every call. Types whose
   instances carry hooks are left out by `hand_methods` (`hook_free_types`): a replay runs their hooks a
   second time (a counting hook would count twice), so the planner does not checkpoint them and the hand
   method is not a correct peer there;
@@ -55,9 +57,12 @@ __all__ = [
     "find_block_container",
     "hand_methods",
     "hook_free_types",
+    "outermost_instances",
     "own_switch",
     "repeated_module_types",
+    "shared_module_types",
     "sqrt_segments",
+    "without_hooks",
 ]
 
 SQRT_SEGMENTS = "sqrt(n) segments"
@@ -82,29 +87,69 @@ def every_instance_name(module_type: type) -> str:
     return f"every {module_type.__name__}"
 
 
-def _counted_types(module: nn.Module, inside: frozenset[type], counts: dict[type, int]) -> None:
+def _outermost(module: nn.Module, inside: frozenset[type], found: dict[type, list[nn.Module]]) -> None:
     for child in module.children():
         kind = type(child)
         if kind not in inside and not isinstance(child, CONTAINERS) and any(True for _ in child.parameters()):
-            counts[kind] = counts.get(kind, 0) + 1
-        _counted_types(child, inside | {kind}, counts)
+            found.setdefault(kind, []).append(child)
+        _outermost(child, inside | {kind}, found)
+
+
+def outermost_instances(model: nn.Module) -> dict[type, list[nn.Module]]:
+    """Module class -> its outermost instances (one nested in another of its class does not count; a
+    module reached from two parents counts twice), leaving out containers and modules without
+    parameters (a ReLU, a Dropout)."""
+    found: dict[type, list[nn.Module]] = {}
+    _outermost(model, frozenset(), found)
+    return found
 
 
 def repeated_module_types(model: nn.Module) -> list[type]:
-    """Module classes with at least two outermost instances (one nested in another of its class does
-    not count), leaving out containers and modules without parameters (a ReLU, a Dropout)."""
-    counts: dict[type, int] = {}
-    _counted_types(model, frozenset(), counts)
-    return sorted((kind for kind, count in counts.items() if count >= 2), key=lambda kind: kind.__name__)
+    """Module classes with at least two outermost instances."""
+    instances = outermost_instances(model)
+    return sorted(
+        (kind for kind, found in instances.items() if len(found) >= 2), key=lambda kind: kind.__name__
+    )
+
+
+def shared_module_types(
+    model: nn.Module, inputs: Sequence[Any], *, kwargs: Mapping[str, Any] | None = None
+) -> list[type]:
+    """Module classes with one outermost instance that one forward calls at least twice: weights shared
+    across depth (ALBERT runs its one layer `num_hidden_layers` times, a looped block its body). Counted
+    on a copy with forward pre-hooks; checkpointing that instance checkpoints every call."""
+    probe = copy.deepcopy(model)
+    single = {kind: found[0] for kind, found in outermost_instances(probe).items() if len(found) == 1}
+    calls = dict.fromkeys(single, 0)
+
+    def counter(kind: type) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def hook(_module: nn.Module, _args: tuple[Any, ...]) -> None:
+            calls[kind] += 1
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(counter(kind)) for kind, module in single.items()]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            probe(*fresh_inputs(inputs), **fresh_kwargs(kwargs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sorted((kind for kind, count in calls.items() if count >= 2), key=lambda kind: kind.__name__)
+
+
+def without_hooks(model: nn.Module, kinds: Sequence[type]) -> list[type]:
+    """Those of `kinds` none of whose instances in `model` carries hooks."""
+    return [
+        kind
+        for kind in kinds
+        if not any(isinstance(module, kind) and has_hooks(module) for module in model.modules())
+    ]
 
 
 def hook_free_types(model: nn.Module) -> list[type]:
     """Repeated module types none of whose instances carries hooks."""
-    return [
-        kind
-        for kind in repeated_module_types(model)
-        if not any(isinstance(module, kind) and has_hooks(module) for module in model.modules())
-    ]
+    return without_hooks(model, repeated_module_types(model))
 
 
 def _wrap_instances(module: nn.Module, module_type: type) -> None:
@@ -343,8 +388,8 @@ def own_switch(model: nn.Module) -> HandMethod:
 def hand_methods(
     model: nn.Module, inputs: Sequence[Any], *, kwargs: Mapping[str, Any] | None = None
 ) -> list[HandMethod]:
-    """Every hand method that applies to the model: "every <Type>" for each repeated, hook-free module
-    type, "sqrt(n) segments" and "own switch" where they apply. "every block" (the benches' peer where
+    """Every hand method that applies to the model: "every <Type>" for each repeated (or shared), hook-free
+    module type, "sqrt(n) segments" and "own switch" where they apply. "every block" (the benches' peer where
     a model has no switch) is left out to keep the zoo-wide test lean: where the block container's
     children are all of one type it is "every <Type>" of that type, less any instances elsewhere, and
     where they are mixed layers of a Sequential (seed000's Linear and ReLU) "sqrt(n) segments" groups
@@ -354,6 +399,7 @@ def hand_methods(
             every_instance_name(kind), every_instance(model, kind), f"checkpoint_wrapper on every {kind}"
         )
         for kind in hook_free_types(model)
+        + without_hooks(model, shared_module_types(model, inputs, kwargs=kwargs))
     ]
     methods += [sqrt_segments(model, inputs, kwargs=kwargs), own_switch(model)]
     return [method for method in methods if method.variant is not None]

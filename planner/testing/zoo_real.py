@@ -247,6 +247,41 @@ def _build_diffusers_unet() -> ExampleCall:
     return ExampleCall(model, (torch.randn(4, 3, 16, 16), torch.randint(1000, (4,))))
 
 
+def _build_hf_clip() -> ExampleCall:
+    hf = transformers_module()
+    text = {
+        "vocab_size": 512,
+        "max_position_embeddings": 32,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 1,
+    }
+    vision = {"image_size": 32, "patch_size": 8}
+    shared = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+    config = hf.CLIPConfig(text_config=text | shared, vision_config=vision | shared, projection_dim=32)
+    kwargs = {
+        "input_ids": torch.randint(512, (4, 32)),
+        "pixel_values": torch.randn(4, 3, 32, 32),
+        "return_loss": True,
+    }
+    return ExampleCall(hf.CLIPModel(config), kwargs=kwargs)
+
+
+def _build_hf_albert() -> ExampleCall:
+    hf = transformers_module()
+    config = hf.AlbertConfig(
+        vocab_size=512,
+        embedding_size=32,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
+    token_ids = torch.randint(config.vocab_size, (4, 32))
+    return ExampleCall(hf.AlbertForMaskedLM(config), kwargs={"input_ids": token_ids, "labels": token_ids})
+
+
 def _dag_call(name: str) -> Callable[[], ExampleCall]:
     def build() -> ExampleCall:
         model, args = dag_calls()[name]
@@ -499,11 +534,29 @@ LIBRARY_ZOO: dict[str, RealModel] = {
             capture="export",
             requires=DIFFUSERS,
         ),
+        RealModel(
+            "hf_clip",
+            "Hugging Face CLIPModel with its contrastive loss: text and vision towers of 2 layers, width "
+            "64, causal text attention; input_ids (4, 32), pixel_values (4, 3, 32, 32), patch 8.",
+            seeded(_build_hf_clip),
+            capture="export",
+        ),
+        RealModel(
+            "hf_albert",
+            "Hugging Face AlbertForMaskedLM: one layer's weights shared by all 4 layers (width 64, "
+            "embedding 32); input_ids and labels (4, 32).",
+            seeded(_build_hf_albert),
+            capture="export",
+        ),
     )
 }
-"""Models whose library has its own checkpointing switch (beyond `REAL_ZOO`'s Hugging Face entries),
-for the hand methods' test and the side-by-side bench; not in `REAL_ZOO`, so that not every real-zoo
-test runs them. `build_call` builds them too. (timm is not installed here: pyproject.toml says why.)"""
+"""Models beyond `REAL_ZOO` for the hand methods' test, the captured module's cost and the side-by-side
+bench; not in `REAL_ZOO`, so that not every real-zoo test runs them. `build_call` builds them too. The
+diffusers UNet has its library's own switch (timm is not installed here: pyproject.toml says why);
+CLIP's loss reads its batch as an int, which the export specialises (its causal mask was kept until
+NOTE [materialised masks] judged masks made of such sizes too); ALBERT runs one layer four times, and
+checkpointing that one instance, every call of it, is its hand method (`shared_module_types` in
+planner/testing/hand_methods.py)."""
 
 
 def build_call(name: str) -> ExampleCall:

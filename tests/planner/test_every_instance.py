@@ -6,7 +6,8 @@ outermost instance of each repeated, hook-free module type ("every <Type>"), `ch
 with sqrt(n) segments ("sqrt(n) segments") and the library's own switch ("own switch": Hugging Face's,
 diffusers', timm's). The models are planner.zoo's fidelity zoo, the real zoo (planner/testing/zoo_real.py,
 which holds zoo_dag's models and the mixture of experts that routes by value), its `LIBRARY_ZOO` (a
-diffusers UNet, whose own switch is a hand method) and zoo_dag's mixture of experts with its routing
+diffusers UNet, whose own switch is a hand method; Hugging Face's CLIP; ALBERT, whose one layer shared
+by every depth is checkpointed at every call by hand) and zoo_dag's mixture of experts with its routing
 inline (`INLINE_MOE`). Each case is one model and one method, so a failure names
 both; each hand method is measured once, our lowest plan is made once per model, and our plan at a hand
 peak is measured once per distinct schedule (a schedule that fit a lower budget fits a higher one).

@@ -74,3 +74,18 @@ def test_the_segments_and_blocks_of_a_cnn_and_a_switch_it_lacks() -> None:
     assert missing.variant is None and "has no gradient_checkpointing_enable" in missing.description
     names = [method.name for method in hand_methods(call.model, call.args)]
     assert every_instance_name(type(call.model.blocks[0])) in names and OWN_SWITCH not in names, names
+
+
+def test_a_layer_shared_across_depth_is_checkpointed_at_every_call() -> None:
+    """ALBERT runs one `AlbertLayer` (one instance) four times: no type of it has two instances, yet a
+    user checkpoints that layer by hand, every call of it, and measures far less. "every AlbertLayer" is
+    a hand method (`shared_module_types`), trains as the model and measures below it."""
+    call = build_call("hf_albert")
+    methods = {method.name: method for method in hand_methods(call.model, call.args, kwargs=call.kwargs)}
+    shared = methods.get("every AlbertLayer")
+    assert shared is not None and shared.variant is not None, sorted(methods)
+    reference = one_step(call.model, call.args, kwargs=call.kwargs)
+    assert_same_step(reference, one_step(shared.variant, call.args, kwargs=call.kwargs), rtol=GRADIENT_RTOL)
+    unchanged = planner.measure(copy.deepcopy(call.model), call.args, example_kwargs=call.kwargs).peak_bytes
+    checkpointed = planner.measure(shared.variant.module, call.args, example_kwargs=call.kwargs).peak_bytes
+    assert checkpointed < 0.6 * unchanged, (checkpointed, unchanged)

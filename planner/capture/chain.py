@@ -286,12 +286,12 @@ def _capture_fx(
             try:
                 with (
                     _proxies_are_tensors(),
-                    factories_recorded(tracer, enabled=recording),
+                    factories_recorded(tracer, folding=not recording),
                     refused_while_tracing(fake_tensors=False),
                 ):
                     graph = tracer.trace(model, concrete_args=concrete)
             except Exception as error:  # noqa: BLE001 - any tracing failure is a reason to try a coarser level
-                if recording:  # the same modules again, with factories folded as FX folds them
+                if recording:  # the same modules again, deterministic factories folded as FX folds them
                     recording = False
                     continue
                 recording = True

@@ -14,7 +14,17 @@ drew its numbers once, at capture, so every step of the captured module added th
 other numbers than the model's under the same seed. While FX traces, `factories_recorded` records a
 call of one of `FACTORIES` whose arguments hold no Proxy as an operator of the graph, so the captured
 module makes it each step, as eager does. Where the forward then steers Python control flow by such a
-value, tracing fails; the chain traces again without recording them (chain.py), as before.
+value, tracing fails; the chain traces again with the deterministic ones folded (chain.py), as before.
+A random draw is never folded (NOTE [random control flow]).
+
+NOTE [random control flow]: a forward that skips a layer at random (LayerDrop: `if self.training and
+float(torch.rand(())) < p: continue`) steers its control flow by a draw. Folded, the draw was made once,
+at capture, and the graph kept the branch it took: a four-layer stack with LayerDrop 0.5 was captured
+by FX without its third layer, and `plan.module` never ran that layer and always ran the others, a
+model other than the user's, with every number of its plan. So the retry folds only the deterministic
+factories (not `RANDOM`): with a random draw steering control flow tracing still fails there, the
+module that draws it stays opaque (a call the planned module runs as written each step), and a root
+forward that draws it is refused with the reason (NOTE [layers called at random] in planning/model.py).
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from torch import fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["FACTORIES", "factories_recorded"]
+__all__ = ["FACTORIES", "RANDOM", "factories_recorded"]
 
 _FACTORY_FUNCTIONS: tuple[Callable[..., Any], ...] = (
     torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.eye, torch.linspace, torch.logspace,
@@ -37,14 +47,17 @@ _FACTORY_FUNCTIONS: tuple[Callable[..., Any], ...] = (
 )  # fmt: skip
 FACTORIES = frozenset(_FACTORY_FUNCTIONS)
 """Functions that make a tensor from Python values alone."""
+RANDOM = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm})
+"""Those whose values differ from call to call: never folded (NOTE [random control flow])."""
 
 
 class _Recorder(TorchFunctionMode):
     """Turns a call of a factory on Python values into a graph operator of `tracer`."""
 
-    def __init__(self, tracer: fx.Tracer) -> None:
+    def __init__(self, tracer: fx.Tracer, recorded: frozenset[Callable[..., Any]]) -> None:
         super().__init__()
         self.tracer = tracer
+        self.recorded = recorded
 
     def __torch_function__(
         self,
@@ -55,11 +68,12 @@ class _Recorder(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         leaves = tree_flatten((args, kwargs))[0]
-        if func in FACTORIES and not any(isinstance(leaf, fx.Proxy) for leaf in leaves):
+        if func in self.recorded and not any(isinstance(leaf, fx.Proxy) for leaf in leaves):
             return self.tracer.create_proxy("call_function", func, args, kwargs)
         return func(*args, **kwargs)
 
 
-def factories_recorded(tracer: fx.Tracer, *, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
-    """While `tracer` traces, record factory calls on Python values (NOTE [factories while tracing])."""
-    return _Recorder(tracer) if enabled else contextlib.nullcontext()
+def factories_recorded(tracer: fx.Tracer, *, folding: bool = False) -> contextlib.AbstractContextManager[Any]:
+    """While `tracer` traces, record factory calls on Python values (NOTE [factories while tracing]); with
+    `folding`, only the random ones (NOTE [random control flow])."""
+    return _Recorder(tracer, RANDOM if folding else FACTORIES)

@@ -77,9 +77,10 @@ from planner.planning.tensor_parallel import (
     collective_buffer_bytes,
 )
 from planner.profiler.cost_model import DeviceSpec, device_spec
-from planner.profiler.interpreter import LOSS_NODE, build_activation_graph
+from planner.profiler.interpreter import LOSS_NODE, build_activation_graph, preserved_state
 from planner.profiler.measurement import OptimizerSpec, default_loss
 from planner.profiler.sharding import shard_graph
+from planner.profiler.split_calls import called_at_random
 from planner.rewrite.emit import (
     AUTOCAST_DEVICES,
     add_forward_pre_hook,
@@ -521,16 +522,36 @@ def _profile_units(
         step=settings.step,
         memory_counting=settings.memory_counting,
     )
-    _check_units(model, profiled, reason)
+    _check_units(model, args, kwargs, profiled, reason)
     if settings.sharding is Sharding.FSDP:
         profiled = dataclasses.replace(profiled, capture=f"{profiled.capture} ({FSDP_CAPTURE_NOTE})")
     return _profile_of(model, args, kwargs, None, profiled, settings)
 
 
-def _check_units(model: torch.nn.Module, graph: ActivationGraph, reason: str) -> None:
-    """Raise `UnsupportedModel` (after `reason`) when the module level found no unit to checkpoint."""
+def _check_units(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], graph: ActivationGraph, reason: str
+) -> None:
+    """Raise `UnsupportedModel` (after `reason`) when the module level found no unit to checkpoint.
+
+    NOTE [layers called at random]: a root forward that skips layers at random (LayerDrop, Hugging Face
+    wav2vec2's default `layerdrop=0.1`) calls other units from one step to the next, which the module
+    level's probe cannot tell from calls that follow the data (`static_split_calls`). The refusal then
+    says which it is, and how to turn the skipping off, rather than blaming the data; before, wav2vec2's
+    refusal said its submodules were called "depending on the data".
+    """
     units = [node for node in graph.nodes if node.part_of and node.op != GLUE_OP]
     if not units:
+        candidates = tuple(candidate_units(model))
+        with preserved_state(model):
+            random_calls = called_at_random(model, candidates, args, kwargs)
+        if random_calls:
+            raise UnsupportedModel(
+                f"{reason}; and at the module level the forward of {type(model).__name__} calls other "
+                f"submodules among {list(candidates)[:6]} from one run to the next on the same inputs "
+                "(layers skipped at random: LayerDrop, or stochastic depth that skips), so no plan of one "
+                "step holds for the next; turn the skipping off to plan it (Hugging Face: "
+                "config.layerdrop = 0.0 before building the model)"
+            )
         raise UnsupportedModel(
             f"{reason}; and at the module level the forward of {type(model).__name__} calls its submodules "
             f"{candidate_units(model)[:6]} depending on the data (other calls or shapes on other inputs), so "

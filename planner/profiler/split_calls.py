@@ -30,7 +30,7 @@ from planner.ir import GLUE_OP
 from planner.profiler.counting import storage_bytes, tensors_in
 from planner.profiler.records import RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
 
-__all__ = ["NodeRecorder", "SplitCall", "split_calls", "static_split_calls"]
+__all__ = ["NodeRecorder", "SplitCall", "called_at_random", "split_calls", "static_split_calls"]
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +264,30 @@ def _child_calls(
         for handle in handles:
             handle.remove()
     return sorted(calls)
+
+
+RANDOM_CALL_PROBES = 16
+"""Forwards on the same inputs `called_at_random` compares: with 2 layers each dropped with probability
+0.1, the chance that all 16 call the same layers is below 4 %."""
+
+
+def called_at_random(
+    module: torch.nn.Module, units: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Whether forwards of `module` on the same inputs call other `units` (or with other shapes) from
+    one run to the next: layers skipped at random (LayerDrop, stochastic depth by skipping), which the
+    probe of `static_split_calls` cannot tell from calls that follow the data. Runs up to
+    `RANDOM_CALL_PROBES` forwards with grad enabled; the caller restores buffers and the RNG state."""
+    first = None
+    with torch.enable_grad():
+        for _ in range(RANDOM_CALL_PROBES):
+            calls = _child_calls(module, units, args, kwargs)
+            if calls is None:
+                return False
+            if first is not None and calls != first:
+                return True
+            first = calls
+    return False
 
 
 def _perturbed(call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -63,6 +64,37 @@ class SteeredByAFactory(nn.Module):
         return self.linear(x)
 
 
+class SkipsAtRandom(nn.Module):
+    """A layer that skips itself at random (stochastic depth by skipping, or one layer of LayerDrop)."""
+
+    def __init__(self, probability: float) -> None:
+        super().__init__()
+        self.probability = probability
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and float(torch.rand(())) < self.probability:
+            return x
+        return torch.relu(self.linear(x))
+
+
+class LayerDropStack(nn.Module):
+    """Four layers, each skipped at random by the stack's own forward (LayerDrop) or by itself, and a head."""
+
+    def __init__(self, *, in_root: bool) -> None:
+        super().__init__()
+        self.in_root = in_root
+        self.layers = nn.ModuleList(SkipsAtRandom(0.0 if in_root else 0.5) for _ in range(4))
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.in_root and self.training and float(torch.rand(())) < 0.5:
+                continue
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
 def _frequencies_call() -> tuple[TimestepFrequencies, tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     timesteps = torch.randint(0, 1000, (BATCH,), generator=generator)
@@ -116,3 +148,23 @@ def test_a_factory_that_steers_python_control_flow_is_folded_as_before() -> None
     assert captured.path == "fx"
     assert captured.opaque_modules == ()
     assert captured.graph_module.graph.find_nodes(op="call_function", target=torch.relu)
+
+
+def test_a_random_draw_that_steers_python_control_flow_is_never_folded() -> None:
+    """NOTE [random control flow] in planner/capture/factories.py: folded, LayerDrop's draw was made once,
+    at capture, and `plan.module` never ran one layer and always ran the others (one loss under every
+    seed where the model gave seven). A layer that skips itself stays opaque, drawn each step: the
+    planned module trains as the model under every seed. A root forward that skips layers is refused,
+    saying so and how to turn it off."""
+    torch.manual_seed(0)
+    model, inputs = LayerDropStack(in_root=False), (torch.randn(BATCH, WIDTH),)
+    captured = capture(model, inputs, {})
+    assert len(captured.opaque_modules) == 4, captured.opaque_modules
+    plan = planner.optimize(model, inputs, budget_bytes=2**40)
+    assert plan.module is not None
+    steps = [one_step(plan.module, inputs, seed=seed) for seed in range(6)]
+    for seed, step in enumerate(steps):
+        assert_same_step(one_step(model, inputs, seed=seed), step)
+    assert len({step.loss.item() for step in steps}) > 1, "the same layers ran under every seed"
+    with pytest.raises(planner.UnsupportedModel, match="layerdrop = 0.0"):
+        planner.optimize(LayerDropStack(in_root=True), inputs, budget_bytes=2**40)

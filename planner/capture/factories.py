@@ -47,7 +47,7 @@ _FACTORY_FUNCTIONS: tuple[Callable[..., Any], ...] = (
 )  # fmt: skip
 FACTORIES = frozenset(_FACTORY_FUNCTIONS)
 """Functions that make a tensor from Python values alone."""
-RANDOM = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm})
+RANDOM: frozenset[Callable[..., Any]] = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm})
 """Those whose values differ from call to call: never folded (NOTE [random control flow])."""
 
 

@@ -32,6 +32,13 @@ module, and `plan.module` never set it again, so a loss read from it missed its 
 (`stored_during`) restores what it stored, and the module that stored it is kept whole: FX keeps it
 opaque, export refuses it (a root goes on to the module level).
 
+NOTE [Python draws]: a forward that draws from Python's `random` or NumPy's (`if random.random() <
+self.layerdrop: continue`, a scale from `random.uniform`) draws while tracing, and the graph keeps the
+value drawn: a four-layer stack with LayerDrop 0.5 drawn by `random.random()` was captured by FX without
+two of its layers, and `plan.module` gave one loss where the model gave six. While the chain traces,
+those functions raise, and a draw that reached the global generators some other way (a function bound
+before, as `from random import random`) changes their state, which the trace's end checks.
+
 While the chain traces (`refused_while_tracing`, and `refuse_traced_call` for what FX records), each
 raises `ChangesTraining`: FX keeps the submodule whose forward does it as one opaque node, called as
 written, and a root that does it goes on to export; export fails where a custom Function is applied or
@@ -42,7 +49,9 @@ module is then checkpointed whole or not at all.
 from __future__ import annotations
 
 import contextlib
+import random
 import re
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -53,6 +62,17 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ["ChangesTraining", "refuse_traced_call", "refused_while_tracing", "stored_during"]
 
+PYTHON_DRAWS = (
+    "random", "uniform", "randint", "randrange", "choice", "choices", "sample", "shuffle", "gauss",
+    "normalvariate", "lognormvariate", "expovariate", "betavariate", "gammavariate", "triangular",
+    "vonmisesvariate", "paretovariate", "weibullvariate", "getrandbits",
+)  # fmt: skip
+"""Functions of Python's `random` module that draw from its global generator (NOTE [Python draws])."""
+NUMPY_DRAWS = (
+    "random", "rand", "randn", "randint", "uniform", "normal", "choice", "permutation", "shuffle",
+    "random_sample", "standard_normal", "binomial",
+)  # fmt: skip
+"""Functions of `numpy.random` that draw from its global generator (NOTE [Python draws])."""
 TENSOR_HOOKS = ("register_hook", "register_post_accumulate_grad_hook")
 """Tensor methods that register a hook on the gradient (NOTE [tensor hooks])."""
 
@@ -79,7 +99,7 @@ def refused_while_tracing(*, fake_tensors: bool) -> Iterator[None]:
     """Raise `ChangesTraining` where a custom autograd Function is applied to an FX Proxy, or with
     `fake_tensors` (torch.export traces with them) to any tensor, where a tensor hook is registered
     then too; without it (FX), where grad mode is switched or an autocast entered (NOTE [grad mode while
-    tracing])."""
+    tracing]); and where the forward draws from Python's or NumPy's generators (NOTE [Python draws])."""
     apply = torch.autograd.Function.__dict__["apply"]
     hooks = {method: getattr(torch.Tensor, method) for method in TENSOR_HOOKS}
     set_grad_enabled = torch._C._set_grad_enabled
@@ -123,13 +143,68 @@ def refused_while_tracing(*, fake_tensors: bool) -> Iterator[None]:
         torch._C._set_grad_enabled = refused_switch
         torch.autocast.__enter__ = refused_autocast  # type: ignore[method-assign, assignment]
     try:
-        yield
+        with _PythonDrawsRefused():
+            yield
     finally:
         torch.autograd.Function.apply = apply  # type: ignore[method-assign]
         torch._C._set_grad_enabled = set_grad_enabled
         torch.autocast.__enter__ = enter_autocast  # type: ignore[method-assign]
         for method, original in hooks.items():
             setattr(torch.Tensor, method, original)
+
+
+class _PythonDrawsRefused(contextlib.AbstractContextManager[None]):
+    """Python's and NumPy's global draws refused while a trace runs, and their generators' states checked
+    at its end (NOTE [Python draws])."""
+
+    def __enter__(self) -> None:
+        self.patched: list[tuple[Any, str, Any]] = []
+        for module, names in _draw_modules():
+            for name in names:
+                if hasattr(module, name):
+                    self.patched.append((module, name, getattr(module, name)))
+                    setattr(module, name, _refused_draw(f"{module.__name__}.{name}"))
+        self.states = _generator_states()
+
+    def __exit__(self, *exception: object) -> None:
+        for module, name, original in self.patched:
+            setattr(module, name, original)
+        if exception[0] is None and _generator_states() != self.states:
+            raise ChangesTraining(
+                "the forward draws from Python's or NumPy's global random generator: a trace would make "
+                "the draw once and keep its value, so the module drawing it is planned whole (NOTE [Python "
+                "draws])"
+            )
+
+
+def _draw_modules() -> list[tuple[Any, tuple[str, ...]]]:
+    """`random`, and `numpy.random` where NumPy is loaded, each with its drawing functions."""
+    found: list[tuple[Any, tuple[str, ...]]] = [(random, PYTHON_DRAWS)]
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        found.append((numpy_random, NUMPY_DRAWS))
+    return found
+
+
+def _generator_states() -> tuple[Any, ...]:
+    """The states of Python's and NumPy's global generators, comparable with `==`."""
+    states: list[Any] = [random.getstate()]
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        kind, keys, position, has_gauss, cached = numpy_random.get_state()
+        states.append((kind, keys.tobytes(), position, has_gauss, cached))
+    return tuple(states)
+
+
+def _refused_draw(name: str) -> Any:
+    def draw(*args: Any, **kwargs: Any) -> Any:
+        raise ChangesTraining(
+            f"the forward draws {name}(): a trace would make the draw once and keep its value (a layer "
+            "LayerDrop skipped would be skipped for good), so the module drawing it is planned whole "
+            "(NOTE [Python draws])"
+        )
+
+    return draw
 
 
 _Attributes = dict[str, tuple[torch.nn.Module, dict[str, Any]]]

@@ -3,20 +3,25 @@ autograd Function keeps its own backward in `plan.module` (NOTE [custom autograd
 a forward runs under `torch.no_grad()` stay without gradients and under its own autocast in its dtype
 (NOTE [grad mode while tracing]), a hook a forward registers on a tensor still runs (NOTE [tensor
 hooks]), a loss a forward stores on its module is stored in every step (NOTE [stored on the module]),
-and a Function whose backward reads `ctx.saved_tensors` twice is never checkpointed, which
-non-reentrant checkpoint refuses (NOTE [unpacked twice] in planner/profiler/interpreter.py).
+a Function whose backward reads `ctx.saved_tensors` twice is never checkpointed, which
+non-reentrant checkpoint refuses (NOTE [unpacked twice] in planner/profiler/interpreter.py), and a
+forward that draws from Python's generator draws each step (NOTE [Python draws]).
 
 Before, FX traced a gradient reversal's forward (a view) into the graph, and `plan.module` trained the
 Linear before it with the opposite gradient, without any checkpointing; FX recorded the operators under
 `no_grad` without the switch, and gradients flowed through them; export dropped a tensor hook; FX
 left a Proxy where a block stored its auxiliary loss; and a plan checkpointing the block that reads its
 saved tensors twice raised `CheckpointError` in its first backward. A forward that takes a gradient of
-its own made `optimize` fail, as capture and profiling ran it under `no_grad`.
+its own made `optimize` fail, as capture and profiling ran it under `no_grad`. A layer skipped by
+`random.random()` was skipped, or run, for good.
 """
 
 from __future__ import annotations
 
 import copy
+import random
+from random import random as bound_draw
+from typing import Any
 
 import pytest
 import torch
@@ -269,3 +274,52 @@ def test_an_autocast_a_forward_enters_keeps_its_dtype_under_the_steps_autocast()
         step = one_step(module, inputs, forward_context=torch.autocast("cpu", dtype=torch.bfloat16))
         expected = one_step(model, inputs, forward_context=torch.autocast("cpu", dtype=torch.bfloat16))
         assert_same_step(expected, step)
+
+
+class SkippedByPythonDraw(nn.Module):
+    """A layer that skips itself when Python's generator says so (LayerDrop as older code wrote it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and random.random() < 0.5:
+            return x
+        return torch.relu(self.linear(x))
+
+
+class LayerDropByABoundDraw(nn.Module):
+    """Three layers its own forward skips with a draw bound before any trace (`from random import
+    random`), which only the generator's state shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(mlp_block() for _ in range(3))
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and bound_draw() < 0.5:
+                continue
+            x = layer(x)
+        return self.head(x)
+
+
+def _step_with_python_seed(model: nn.Module, inputs: tuple[torch.Tensor], seed: int) -> Any:
+    random.seed(seed)
+    return one_step(model, inputs, seed=seed)
+
+
+def test_a_layer_that_python_draws_skip_is_drawn_each_step() -> None:
+    """NOTE [Python draws]: the layer is kept whole and run as written, so `plan.module` skips it when the
+    model does, under every seed; and a root that skips its layers so is refused, saying how to stop it."""
+    model, inputs = example(nn.Sequential(mlp_block(), SkippedByPythonDraw(), mlp_block()))
+    plan = planner.optimize(model, inputs, budget_gb=1)
+    assert plan.capture == "fx (opaque: 1)", plan.capture
+    steps = [_step_with_python_seed(plan.module, inputs, seed) for seed in range(6)]
+    for seed, step in enumerate(steps):
+        assert_same_step(_step_with_python_seed(model, inputs, seed), step)
+    assert len({step.loss.item() for step in steps}) > 1, "the layer ran, or was skipped, under every seed"
+    with pytest.raises(planner.UnsupportedModel, match="layerdrop = 0.0"):
+        planner.optimize(LayerDropByABoundDraw(), inputs, budget_gb=1)

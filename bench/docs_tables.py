@@ -53,6 +53,7 @@ QUOTES = (
     Quote("compile-time", "docs/compiled.md", "bench/results/compile_time.md", "| model | torch.compile s |"),
     Quote("compiled-check", "docs/compiled.md", COMPILED_CHECK_RESULTS, "| model | fallback_random |"),
     Quote("tensor-parallel", "docs/usage.md", TENSOR_PARALLEL_RESULTS, "| ranks | split | unplanned |"),
+    Quote("out-of-zoo", "docs/coverage.md", "bench/results/out_of_zoo.md", "| model | capture | model /"),
 )
 
 

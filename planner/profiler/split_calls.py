@@ -81,6 +81,8 @@ class SplitCall:
         self.started = 0.0
         self.child_call: Any = ()
         """The arguments of the child call that runs now."""
+        self.child_outputs: dict[str, list[str]] = {}
+        """Each child part -> the storages its output holds (NOTE [outputs the caller holds])."""
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tracker = self.interpreter.tracker
@@ -106,6 +108,7 @@ class SplitCall:
             if tracker is not None:
                 tracker.on_free = None
         self._close(self.parts[-1], (args, kwargs), output)
+        self._hold_unread_outputs()
         for part in self.parts:
             if part.op != GLUE_OP and self.calls[part.module_path] > 1:
                 part.checkpointable = False  # one region would checkpoint several calls
@@ -167,8 +170,29 @@ class SplitCall:
         self.child_call = call
 
     def _after_child(self, output: Any) -> None:
-        self._close(self.parts[-1], self.child_call, output)
+        part = self.parts[-1]
+        self._close(part, self.child_call, output)
+        tracker = self.interpreter.tracker
+        if tracker is not None:
+            names = (tracker.name_of(tensor, create=False) for tensor in tensors_in(output))
+            self.child_outputs[part.name] = [name for name in names if name is not None]
         self._open_glue()
+
+    def _hold_unread_outputs(self) -> None:
+        """NOTE [outputs the caller holds]: a child's output that no later part reads is held by the
+        call's code until the call returns (`outputs = self.wav2vec2(...)` keeps every field of the
+        output, read or not, until the loss is computed). In the profiled step the child itself saves it
+        for backward, so no free shows when the frame lets it go; checkpointed, the child saves nothing,
+        and wav2vec2's feature projection's unread `extract_features` (81,408 bytes) was predicted freed
+        at once where the forward held it to its end. The call's last part reads such an output: an
+        upper bound, as the code may drop it sooner."""
+        last = self.parts[-1]
+        read_later: set[str] = set()
+        for part in reversed(self.parts):
+            for name in self.child_outputs.get(part.name, ()):
+                if name not in read_later and name not in last.reads:
+                    last.reads.append(name)
+            read_later.update(part.reads)
 
     def _freed(self, name: str) -> None:
         """A named storage freed while a part runs: that part is its last reader."""

@@ -103,8 +103,8 @@ def model_result(name: str) -> dict[str, Any]:
             copy.deepcopy(call.model), call.args, example_kwargs=call.kwargs,
             budget_bytes=REFERENCE_BUDGET_BYTES,
         )  # fmt: skip
-    except planner.UnsupportedModel as error:
-        result["error"] = f"UnsupportedModel: {error}"
+    except Exception as error:  # noqa: BLE001 - a refusal or a crash is what the user sees: recorded
+        result["error"] = f"{type(error).__name__}: {error}"
         result["seconds"] = round(time.perf_counter() - started, 1)
         return result
     assert reference.module is not None
@@ -124,6 +124,8 @@ def model_result(name: str) -> dict[str, Any]:
 
 
 def verdict(result: dict[str, Any]) -> str:
+    if "error" in result and not result["error"].startswith("UnsupportedModel"):
+        return "crashed: " + result["error"][:REASON_CHARACTERS]
     if "error" in result:
         reason = re.sub(r"\[[^\]]*\]", "[...]", result["error"].rsplit("; and ", 1)[-1])
         return "refused: " + reason[:REASON_CHARACTERS]

@@ -48,12 +48,14 @@ def test_the_verdict_is_ok_only_when_nothing_is_held_against_the_plan() -> None:
     assert "gradients differ" in verdict(differing)
 
 
-def test_a_refusal_shows_its_last_reason_without_module_lists() -> None:
+def test_a_refusal_shows_its_last_reason_without_module_lists_and_a_crash_its_error() -> None:
     refused = {
         "model": "r", "description": "", "model_bytes": 1, "seconds": 0.1,
         "error": "UnsupportedModel: fx failed; and at the module level it calls ['a', 'b'] at random",
     }  # fmt: skip
     assert verdict(refused) == "refused: at the module level it calls [...] at random"
+    crashed = refused | {"error": "AssertionError: Expected gradient function to be set"}
+    assert verdict(crashed) == "crashed: AssertionError: Expected gradient function to be set"
     table = markdown(
         [_result(), refused],
         {"revision": {"commit": "abc"}, "machine": {"torch_version": "t", "cpu_count": 2}},

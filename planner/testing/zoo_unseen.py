@@ -145,6 +145,43 @@ def _mamba() -> ExampleCall:
     return ExampleCall(hf.MambaForCausalLM(config), kwargs={"input_ids": tokens, "labels": tokens})
 
 
+def _deberta() -> ExampleCall:
+    hf = transformers_module()
+    config = hf.DebertaV2Config(
+        vocab_size=VOCABULARY, num_hidden_layers=2, relative_attention=True, pos_att_type=["p2c", "c2p"],
+        max_relative_positions=32, **LAYERS,
+    )  # fmt: skip
+    return _language_model(hf.DebertaV2ForMaskedLM(config))
+
+
+def _bloom() -> ExampleCall:
+    hf = transformers_module()
+    config = hf.BloomConfig(
+        vocab_size=VOCABULARY, hidden_size=64, n_layer=2, n_head=4, use_cache=False, hidden_dropout=0.1,
+        attention_dropout=0.1,
+    )  # fmt: skip
+    return _language_model(hf.BloomForCausalLM(config))
+
+
+def _opt() -> ExampleCall:
+    hf = transformers_module()
+    config = hf.OPTConfig(
+        vocab_size=VOCABULARY, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+        max_position_embeddings=64, word_embed_proj_dim=64, use_cache=False, dropout=0.1,
+    )  # fmt: skip
+    return _language_model(hf.OPTForCausalLM(config))
+
+
+def _reformer() -> ExampleCall:
+    hf = transformers_module()
+    config = hf.ReformerConfig(
+        vocab_size=VOCABULARY, hidden_size=64, num_attention_heads=2, attention_head_size=32,
+        feed_forward_size=128, attn_layers=["local", "local"], axial_pos_embds=False,
+        max_position_embeddings=64, is_decoder=True, local_attn_chunk_length=16, pad_token_id=0,
+    )  # fmt: skip
+    return _language_model(hf.ReformerModelWithLMHead(config))
+
+
 UNSEEN_ZOO: dict[str, tuple[str, Callable[[], ExampleCall]]] = {
     "distilbert": ("DistilBertForMaskedLM, 3 layers", seeded(_distilbert)),
     "gpt_neox": ("GPTNeoXForCausalLM, 3 layers, parallel residual, dropout 0.1", seeded(_gpt_neox)),
@@ -160,5 +197,9 @@ UNSEEN_ZOO: dict[str, tuple[str, Callable[[], ExampleCall]]] = {
         seeded(_wav2vec2(0.1)),
     ),
     "mamba": ("MambaForCausalLM, 2 layers, the slow (pure PyTorch) scan, 16 tokens", seeded(_mamba)),
+    "deberta": ("DebertaV2ForMaskedLM, 2 layers, disentangled relative attention", seeded(_deberta)),
+    "bloom": ("BloomForCausalLM, 2 layers, ALiBi, GELU as a custom autograd Function", seeded(_bloom)),
+    "opt": ("OPTForCausalLM, 2 layers, dropout 0.1", seeded(_opt)),
+    "reformer": ("ReformerModelWithLMHead, 2 reversible local-attention layers", seeded(_reformer)),
 }
 """Name -> (what it is, its builder: a fresh model in train mode and its example call, seeded)."""

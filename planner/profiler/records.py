@@ -195,12 +195,35 @@ class ProfilingTracker(LiveStorageTracker):
         return alive
 
 
+class _GlobalCountsOnly:
+    """Stands in for `FlopCounterMode`'s `ModuleTracker` (NOTE [global FLOPs])."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> _GlobalCountsOnly:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        return None
+
+
+def _flop_counter() -> FlopCounterMode:
+    """NOTE [global FLOPs]: `FlopCounterMode` attributes FLOPs to modules with a `ModuleTracker`, whose
+    module hooks register a gradient hook on every tensor a module gets; on a tensor that requires grad
+    without a grad_fn (Reformer's reversible layers make them inside their custom autograd Function) it
+    raises `AssertionError: Expected gradient function to be set`, and profiling Reformer crashed. The
+    planner reads only the global total, which the counter keeps under "Global" whatever the tracker."""
+    counter = FlopCounterMode(display=False)
+    counter.mod_tracker = _GlobalCountsOnly()  # type: ignore[assignment]
+    return counter
+
+
 class Meters:
     """FLOPs, dispatched operators and random draws of the code run under it, charged to one node after
     another (a node that draws is `random`, whatever its code: a split call's glue calling dropout)."""
 
     def __init__(self, *, counting: bool) -> None:
-        self.flops = FlopCounterMode(display=False) if counting else None
+        self.flops = _flop_counter() if counting else None
         self.operators = OperatorCounter()
         self.charged_flops = 0
         self.charged_operators = 0

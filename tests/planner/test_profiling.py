@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
+from torch import nn
 
 import planner
 from planner.ir import MemoryCounting
 from planner.planning.graph import plan_graph
+from planner.profiler.records import Meters
 from planner.testing.steps import assert_same_step, one_step
 from planner.testing.zoo_real import build_call
 from planner.zoo import build_model
@@ -136,3 +141,49 @@ def test_a_cuda_workspace_no_tensor_holds_counts_in_the_node_peak(monkeypatch: p
     stats["allocated_bytes.all.peak"] = 10_240 + 4_096
     assert tracker.library_workspace_bytes() == 0
     del output
+
+
+class _Halves(torch.autograd.Function):
+    """Runs a layer on one half of its input inside its own forward, as Reformer's reversible layers do:
+    the half is a view made without grad of a tensor that requires grad, so it has no grad_fn."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        first, second = torch.chunk(hidden, 2, dim=-1)
+        ctx.layer = layer
+        ctx.save_for_backward(hidden)
+        return torch.cat([layer(first), second], dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        (hidden,) = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = hidden.detach().requires_grad_()
+            first, second = torch.chunk(leaf, 2, dim=-1)
+            torch.cat([ctx.layer(first), second], dim=-1).backward(gradient)  # the layer's too
+        return leaf.grad, None
+
+
+class _ReversibleLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 32)
+        self.layer = nn.Linear(16, 16)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(_Halves.apply(self.embed(x), self.layer))
+
+
+def test_flops_are_counted_where_a_module_gets_a_tensor_that_requires_grad_without_a_grad_fn() -> None:
+    """NOTE [global FLOPs] in planner/profiler/records.py: profiling Reformer crashed inside torch's
+    `FlopCounterMode` (its module tracker asserts on such a tensor); the planner counts FLOPs without it."""
+    meters = Meters(counting=True)
+    layer, x = nn.Linear(4, 4), torch.randn(2, 8, requires_grad=True) * 1.0
+    with meters, torch.no_grad():
+        first, _ = torch.chunk(x, 2, dim=-1)
+        layer(first)
+    assert meters.flops is not None and meters.flops.get_total_flops() == 2 * 2 * 4 * 4
+    torch.manual_seed(0)
+    plan = planner.optimize(_ReversibleLike(), (torch.randn(8, 16),), budget_gb=1)
+    assert plan.capture == "module", plan.capture

@@ -46,6 +46,12 @@ def test_the_verdict_is_ok_only_when_nothing_is_held_against_the_plan() -> None:
     differing = copy.deepcopy(_result())
     differing["plans"][1]["gradient_error"] = 1e-3
     assert "gradients differ" in verdict(differing)
+    assert verdict(differing | {"model_step_error": 0.1}) == (
+        "the model's own steps differ under one seed (gradients not compared)"
+    )
+    refused = copy.deepcopy(_result(hand_methods={"own switch": 79}))
+    refused["plans"][0] = {"at": "own switch", "budget_bytes": 79, "error": "InfeasibleBudget: ..."}
+    assert verdict(refused) == "a hand method beats our lowest", "a refusal below our lowest is no misfit"
 
 
 def test_a_refusal_shows_its_last_reason_without_module_lists_and_a_crash_its_error() -> None:

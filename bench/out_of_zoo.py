@@ -14,7 +14,7 @@ user would, and records what they would see:
 - or the error `optimize` raised, as the user would read it.
 
 Peaks are two Adam steps under the live-storage tracker in 512-byte blocks (`planner.measure`). Run from
-the repository root (about 10 min on 2 CPU cores); with `--models`, the named models' rows replace theirs
+the repository root (about 13 min on 2 CPU cores); with `--models`, the named models' rows replace theirs
 in the existing results:
 
     .venv/bin/python -m bench.out_of_zoo [--models mistral,whisper]

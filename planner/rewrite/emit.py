@@ -329,6 +329,20 @@ def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
     return order.__getitem__
 
 
+def _in_graph_order(graph: fx.Graph, partition: dict[fx.Node, int | None]) -> dict[fx.Node, int | None]:
+    """`partition` ordered as `graph` runs its nodes.
+
+    NOTE [region order]: `fuse_by_partitions` lays out a region's body by a topological sort that keeps
+    the partition's own order among independent nodes. The get_attr nodes `_localize_attributes` adds
+    come last in the partition, so every node that reads a parameter was put off until nothing else was
+    ready: in DeBERTa's disentangled attention a whole projection and a division moved past another
+    branch's gather, and the replayed region held a 64 KiB gradient more in backward than the simulator,
+    which runs each region in the graph's order, predicted (a plan 2.1 % over its budget). In graph
+    order the body runs, and is replayed and differentiated, as predicted.
+    """
+    return dict.fromkeys(sorted(partition, key=_position(graph)))
+
+
 def _split(graph_module: fx.GraphModule, regions: Sequence[RegionNodes]) -> fx.GraphModule:
     """Fuse each checkpointed region into one call of a CheckpointedRegion; leave the rest inline.
 
@@ -345,7 +359,7 @@ def _split(graph_module: fx.GraphModule, regions: Sequence[RegionNodes]) -> fx.G
         partition: dict[fx.Node, int | None] = {by_name[n]: None for n in region.names if n in by_name}
         if partition:
             _localize_attributes(split.graph, partition)
-            fused.append((region, partition))
+            fused.append((region, _in_graph_order(split.graph, partition)))
     fuse_by_partitions(
         split, [partition for _, partition in fused], prefix=REGION_PREFIX, always_return_tuple=True
     )

@@ -57,6 +57,37 @@ def test_batchnorm_statistics_are_updated_once() -> None:
     assert_same_step(one_step(model, inputs), result)
 
 
+class ScaledBranch(nn.Module):
+    """A branch that reads a parameter, written after an independent branch: the shape of DeBERTa's
+    disentangled attention, whose replayed region ran its projections out of the graph's order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((64,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = x.relu()
+        first = hidden.sin() * 2.0
+        second = hidden * self.scale
+        third = first.cos()
+        return first + second + third
+
+
+CALLS = ("call_function", "call_method", "call_module")
+
+
+def test_a_checkpointed_region_runs_its_nodes_in_the_graphs_order() -> None:
+    """NOTE [region order]: the simulator predicts each region, its replay and its backward in the
+    graph's order, so the fused body must run in that order too."""
+    model, inputs = ScaledBranch(), (torch.randn(8, 64, requires_grad=True),)
+    planned = checkpoint_everything(model, inputs)
+    graph_order = [node.name for node in capture(model).graph_module.graph.nodes if node.op in CALLS]
+    (region,) = [m for m in planned_graph_of(planned).modules() if isinstance(m, CheckpointedRegion)]
+    body_order = [node.name for node in region.body.graph.nodes if node.op in CALLS]
+    assert body_order == [name for name in graph_order if name in body_order]
+    assert_same_step(one_step(model, inputs), one_step(planned, inputs))
+
+
 def test_planned_module_is_a_drop_in_for_the_model() -> None:
     model, inputs = build_model("cnn_bn_dropout")
     plan = planner.optimize(model, inputs, budget_bytes=2**40)

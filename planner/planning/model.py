@@ -554,7 +554,7 @@ def _check_units(
             )
         raise UnsupportedModel(
             f"{reason}; and at the module level the forward of {type(model).__name__} calls its submodules "
-            f"{candidate_units(model)[:6]} depending on the data (other calls or shapes on other inputs), so "
+            f"{list(candidates)[:6]} depending on the data (other calls or shapes on other inputs), so "
             "checkpointing one would move bytes with the data"
         )
     if not any(node.checkpointable for node in units):

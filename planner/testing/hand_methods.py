@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint_sequential
+from torch.utils.hooks import RemovableHandle
 
 from planner.capture.chain import has_hooks
 from planner.report.blocks import longest_block_stack
@@ -112,6 +113,22 @@ def repeated_module_types(model: nn.Module) -> list[type]:
     )
 
 
+def _probe_forward(
+    probe: nn.Module,
+    inputs: Sequence[Any],
+    kwargs: Mapping[str, Any] | None,
+    handles: Sequence[RemovableHandle],
+) -> None:
+    """One forward of `probe` (a copy: it may change) on fresh copies of the inputs, without grad and with
+    the RNG left as it was; removes the probe's hook `handles` afterwards, whether it raised or not."""
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            probe(*fresh_inputs(inputs), **fresh_kwargs(kwargs))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def shared_module_types(
     model: nn.Module, inputs: Sequence[Any], *, kwargs: Mapping[str, Any] | None = None
 ) -> list[type]:
@@ -129,12 +146,7 @@ def shared_module_types(
         return hook
 
     handles = [module.register_forward_pre_hook(counter(kind)) for kind, module in single.items()]
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            probe(*fresh_inputs(inputs), **fresh_kwargs(kwargs))
-    finally:
-        for handle in handles:
-            handle.remove()
+    _probe_forward(probe, inputs, kwargs, handles)
     return sorted((kind for kind, count in calls.items() if count >= 2), key=lambda kind: kind.__name__)
 
 
@@ -225,12 +237,7 @@ def chain_violation(
         return hook
 
     handles = [getattr(parent, name).register_forward_hook(recorder(name)) for name in container.child_names]
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            probe(*fresh_inputs(inputs), **fresh_kwargs(kwargs))
-    finally:
-        for handle in handles:
-            handle.remove()
+    _probe_forward(probe, inputs, kwargs, handles)
     called = tuple(name for name, _, _ in calls)
     if called != container.child_names:
         return f"the forward calls the blocks as {list(called)}, not once each in order"
@@ -246,8 +253,7 @@ def forward_failure(
     """Why a forward of `module` (a copy: its BatchNorm statistics move) raises, or None. A regrouped
     container can break its owner's forward: `nn.TransformerEncoder` reads `self.layers[0].self_attn`."""
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            module(*fresh_inputs(inputs), **fresh_kwargs(kwargs))
+        _probe_forward(module, inputs, kwargs, [])
     except Exception as error:  # noqa: BLE001 - any failure means the method does not apply as built
         return f"{type(error).__name__}: {error}"
     return None

@@ -37,7 +37,10 @@ self.layerdrop: continue`, a scale from `random.uniform`) draws while tracing, a
 value drawn: a four-layer stack with LayerDrop 0.5 drawn by `random.random()` was captured by FX without
 two of its layers, and `plan.module` gave one loss where the model gave six. While the chain traces,
 those functions raise, and a draw that reached the global generators some other way (a function bound
-before, as `from random import random`) changes their state, which the trace's end checks.
+before, as `from random import random`) changes their state, which the trace's end checks for the
+generators loaded when the trace began: the first export of a process imports `numpy.random` itself,
+and counting that generator as changed refused every model torch and the planner alone had loaded (a
+model exported in a fresh process, as a user's first `optimize` is, was kept whole or refused).
 
 While the chain traces (`refused_while_tracing`, and `refuse_traced_call` for what FX records), each
 raises `ChangesTraining`: FX keeps the submodule whose forward does it as one opaque node, called as
@@ -169,7 +172,8 @@ class _PythonDrawsRefused(contextlib.AbstractContextManager[None]):
     def __exit__(self, *exception: object) -> None:
         for module, name, original in self.patched:
             setattr(module, name, original)
-        if exception[0] is None and _generator_states() != self.states:
+        after = _generator_states()
+        if exception[0] is None and any(after[name] != state for name, state in self.states.items()):
             raise ChangesTraining(
                 "the forward draws from Python's or NumPy's global random generator: a trace would make "
                 "the draw once and keep its value, so the module drawing it is planned whole (NOTE [Python "
@@ -186,14 +190,15 @@ def _draw_modules() -> list[tuple[Any, tuple[str, ...]]]:
     return found
 
 
-def _generator_states() -> tuple[Any, ...]:
-    """The states of Python's and NumPy's global generators, comparable with `==`."""
-    states: list[Any] = [random.getstate()]
+def _generator_states() -> dict[str, Any]:
+    """The states of Python's global generator and, where NumPy's is loaded, of NumPy's, by module name,
+    comparable with `==`."""
+    states: dict[str, Any] = {"random": random.getstate()}
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         kind, keys, position, has_gauss, cached = numpy_random.get_state()
-        states.append((kind, keys.tobytes(), position, has_gauss, cached))
-    return tuple(states)
+        states["numpy.random"] = (kind, keys.tobytes(), position, has_gauss, cached)
+    return states
 
 
 def _refused_draw(name: str) -> Any:

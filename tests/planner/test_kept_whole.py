@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import random
+import subprocess
+import sys
 from random import random as bound_draw
 from typing import Any
 
@@ -323,3 +325,28 @@ def test_a_layer_that_python_draws_skip_is_drawn_each_step() -> None:
     assert len({step.loss.item() for step in steps}) > 1, "the layer ran, or was skipped, under every seed"
     with pytest.raises(planner.UnsupportedModel, match="layerdrop = 0.0"):
         planner.optimize(LayerDropByABoundDraw(), inputs, budget_gb=1)
+
+
+FIRST_EXPORT_OF_A_PROCESS = """
+import sys, torch
+from torch import nn
+from planner.capture.chain import capture
+assert "numpy.random" not in sys.modules, "NumPy's generator loaded before the export: nothing to check"
+class Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+    def forward(self, x, **options):
+        return self.linear(x).square().mean()
+print(capture(Root(), (torch.randn(4, 8),), {}).path)
+"""
+
+
+def test_the_first_export_of_a_process_is_no_python_draw() -> None:
+    """NOTE [Python draws]: the first export of a process imports `numpy.random`, a generator that was not
+    there when the trace began; counted as changed, it refused every model a fresh process exported."""
+    run = subprocess.run(
+        [sys.executable, "-c", FIRST_EXPORT_OF_A_PROCESS], capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "export"

@@ -1,4 +1,5 @@
-"""Scalar constants that export lifts into the graph, given back to the operators as Python numbers.
+"""Scalar constants that export lifts into the graph, given back to the operators as Python numbers or
+made at each call, as the model made them.
 
 Why it exists: the captured module must cost no more than the model it came from (issue 35), and an
 exported graph can hold a constant the model never keeps. `scalars_given_back` is a rewrite of an fx
@@ -13,7 +14,11 @@ torch.export records the number as a 0-dim tensor constant of the graph module, 
 parameter or buffer) and its copy was one more allocation per step: zoo_real's T5 was predicted 512 B
 above its measured step, with checkpointing and without. So a copy of a 0-dim constant that only feeds
 operators with a Scalar overload of the same arguments goes: each reader takes the overload and the
-number, as eager ran it, where the result's dtype is the same either way.
+number, as eager ran it, where the result's dtype is the same either way. Any other copy is made from
+the number at each call (`aten.full` with the constant's dtype and device), as eager's
+`torch.tensor(number)` made it, and the constant goes too: DeBERTa-v2's attention scales (`torch.tensor`
+of a size, then `sqrt`, a tensor divisor) left six such constants, predicted as resident and seen by no
+measurement, so its plans were predicted up to 3,072 B above their measured steps.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ LIFT_FRESH_COPY = torch.ops.aten.lift_fresh_copy.default
 
 
 def scalars_given_back(graph_module: fx.GraphModule) -> int:
-    """Give 0-dim constants back to their readers as numbers (NOTE [lifted scalars]); returns how many
-    constants went."""
+    """Give 0-dim constants back to their readers as numbers, or make them at each call (NOTE [lifted
+    scalars]); returns how many constants went."""
     graph = graph_module.graph
     given_back = 0
     for copy in list(graph.find_nodes(op="call_function", target=LIFT_FRESH_COPY)):
@@ -43,19 +48,35 @@ def scalars_given_back(graph_module: fx.GraphModule) -> int:
             continue
         number = constant.item()
         overloads = {reader: _scalar_overload(reader, copy, number) for reader in copy.users}
-        if not overloads or any(overload is None for overload in overloads.values()):
+        if not overloads:
             continue
-        for reader, overload in overloads.items():
-            reader.target = overload
-            reader.args = tuple(number if argument is copy else argument for argument in reader.args)
-        graph.erase_node(copy)
+        if any(overload is None for overload in overloads.values()):
+            _made_per_call(graph, copy, constant, number)
+        else:
+            for reader, overload in overloads.items():
+                reader.target = overload
+                reader.args = tuple(number if argument is copy else argument for argument in reader.args)
+            graph.erase_node(copy)
         if not source.users:
             graph.erase_node(source)
-            delattr(graph_module, str(source.target))
+            owner, _, name = str(source.target).rpartition(".")
+            delattr(_attribute(graph_module, owner) if owner else graph_module, name)
         given_back += 1
     if given_back:
         graph_module.recompile()
     return given_back
+
+
+def _made_per_call(graph: fx.Graph, copy: fx.Node, constant: torch.Tensor, number: Any) -> None:
+    """Replace `copy` of the 0-dim `constant` by a tensor made from `number` at each call (NOTE [lifted
+    scalars]): the same value, dtype and device, and no constant held between calls."""
+    with graph.inserting_before(copy):
+        fresh = graph.call_function(
+            torch.ops.aten.full.default, ([], number), {"dtype": constant.dtype, "device": constant.device}
+        )
+    fresh.meta = dict(copy.meta)
+    copy.replace_all_uses_with(fresh)
+    graph.erase_node(copy)
 
 
 def _attribute(graph_module: fx.GraphModule, target: str) -> Any:

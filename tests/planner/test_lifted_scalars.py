@@ -13,7 +13,7 @@ from torch import nn
 import planner
 from planner.capture.chain import capture
 from planner.capture.lifted_scalars import LIFT_FRESH_COPY
-from planner.ir import Region, RegionPolicy, Schedule
+from planner.ir import ActivationGraph, Region, RegionPolicy, Schedule
 from planner.profiler.static_memory import constant_bytes
 from planner.simulation.step import simulate
 from planner.testing.steps import assert_same_step, one_step
@@ -49,6 +49,19 @@ class PromotedByAConstant(nn.Module):
     def forward(self, ids: torch.Tensor, **options: Any) -> torch.Tensor:
         half = ids + torch.tensor(0.5, dtype=torch.float64)
         return self.linear(half.float()).mean() + half.sum().float() * 0
+
+
+def middle_block_checkpointed(graph: ActivationGraph) -> Schedule:
+    """`graph` with the nodes of submodule `blocks.1` checkpointed, the rest stored."""
+    middle = [i for i, node in enumerate(graph.nodes) if node.module_path.startswith("blocks.1")]
+    return Schedule(
+        regions=(
+            Region(0, middle[0], RegionPolicy.STORE),
+            Region(middle[0], middle[-1] + 1, RegionPolicy.CHECKPOINT),
+            Region(middle[-1] + 1, len(graph.nodes), RegionPolicy.STORE),
+        ),
+        solver="test",
+    )
 
 
 def _ids() -> torch.Tensor:
@@ -110,18 +123,9 @@ def test_a_constant_no_operator_takes_as_a_number_is_made_at_each_call_and_predi
     assert len(captured.graph_module.graph.find_nodes(op="call_function", target=FULL)) == 3
     assert constant_bytes(captured.graph_module, model) == 0
     profile = planner.profile(model, (_ids(),))
-    graph = profile.graph
-    block = [i for i, node in enumerate(graph.nodes) if node.module_path.startswith("blocks.1")]
-    schedule = Schedule(
-        regions=(
-            Region(0, block[0], RegionPolicy.STORE),
-            Region(block[0], block[-1] + 1, RegionPolicy.CHECKPOINT),
-            Region(block[-1] + 1, len(graph.nodes), RegionPolicy.STORE),
-        ),
-        solver="test",
-    )
+    schedule = middle_block_checkpointed(profile.graph)
     planned = profile.rewrite(schedule)
-    assert simulate(graph, schedule).peak_bytes == planner.measure(planned, (_ids(),)).peak_bytes
+    assert simulate(profile.graph, schedule).peak_bytes == planner.measure(planned, (_ids(),)).peak_bytes
     assert_same_step(one_step(model, (_ids(),)), one_step(planned, (_ids(),)))
 
 
@@ -146,14 +150,6 @@ def test_a_value_nothing_reads_is_no_later_nodes_workspace() -> None:
     assert [node.forward_workspace_bytes for node in graph.nodes[dead + 1 :]] == [0] * (
         len(graph.nodes) - dead - 1
     )
-    middle = [i for i, node in enumerate(graph.nodes) if node.module_path.startswith("blocks.1")]
-    schedule = Schedule(
-        regions=(
-            Region(0, middle[0], RegionPolicy.STORE),
-            Region(middle[0], middle[-1] + 1, RegionPolicy.CHECKPOINT),
-            Region(middle[-1] + 1, len(graph.nodes), RegionPolicy.STORE),
-        ),
-        solver="test",
-    )
+    schedule = middle_block_checkpointed(graph)
     measured = planner.measure(profile.rewrite(schedule), (x,)).peak_bytes
     assert simulate(graph, schedule).peak_bytes == measured

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One lent GPU's checks in one scripted run, in priority order, each stage capped by `timeout` so the
 # others still run: gpu-check on every model, the side-by-side bench against the libraries' switches,
-# timm's ViT's allocator history, tests/planner/test_gpu.py, then the other sized models. About 7 minutes
-# on an H200 (2026-11-28, docs/memory.md "On an H200 again"). Results go to $OUT (a device call's output
-# folder) or ./gpu-session-out, as results.tgz, snapshots.tgz and log.txt.
+# timm's ViT's and two Hugging Face models' allocator histories (the 1-2 KB the card's Hugging Face
+# predictions run high: docs/memory.md), tests/planner/test_gpu.py, then the other sized models. About 8
+# minutes on an H200 (7 on 2026-11-28, docs/memory.md "On an H200 again", before the Hugging Face
+# histories). Results go to $OUT (a device call's output folder) or ./gpu-session-out, as results.tgz,
+# snapshots.tgz and log.txt.
 #
 # The device image's python3 holds a CUDA torch, transformers and timm but not OR-tools or diffusers:
 # put their cp312 manylinux wheels in .whl first (ortools, immutabledict, protobuf, diffusers; the pip
@@ -31,6 +33,9 @@ mkdir -p "$RESULTS/snap"
   echo "rc=$? == timm's ViT's allocator history $(date +%T)"
   timeout 50 python3 -m bench.gpu_check --models sized_timm_vit --fractions 0.3 \
     --snapshots "$RESULTS/snap" --out "$RESULTS/gpu_check_vit.json"
+  echo "rc=$? == the Hugging Face rows' allocator history $(date +%T)"
+  timeout 40 python3 -m bench.gpu_check --models hf_bert,hf_gpt2 --fractions 0.5 \
+    --snapshots "$RESULTS/snap" --out "$RESULTS/gpu_check_hf.json"
   echo "rc=$? == test_gpu $(date +%T)"
   timeout 50 python3 -m pytest -q -x -p no:cacheprovider tests/planner/test_gpu.py
   echo "rc=$? == compare, the sized models $(date +%T)"

@@ -170,8 +170,15 @@ class SplitCall:
         self.child_call = call
 
     def _after_child(self, output: Any) -> None:
+        """NOTE [the child's arguments]: the child call's arguments are let go as it ends. Kept until
+        the next child's call began, they kept alive what the caller's code drops in between (wav2vec2's
+        encoder rebinds `hidden_states` to the dropout's output, freeing the normalised input), so the
+        free was recorded in the next child's part, as its read; a plan that checkpointed that child held
+        the storage as its input until its backward, and wav2vec2's plans were predicted up to 162,816
+        bytes (1.6 %) above their measurement."""
         part = self.parts[-1]
         self._close(part, self.child_call, output)
+        self.child_call = ()
         tracker = self.interpreter.tracker
         if tracker is not None:
             names = (tracker.name_of(tensor, create=False) for tensor in tensors_in(output))

@@ -14,10 +14,14 @@ nodes of the activation graph, with the model's module paths.
 - Units are the root's children, with containers (ModuleList/ModuleDict/Sequential) replaced by their
   children, and a unit that holds most of the parameters replaced by its children too, so that a
   decoder's blocks become units rather than the decoder (`chain.candidate_units`).
+- Each unit's call is split at the unit's children in turn (NOTE [nested units] in
+  profiler/split_calls.py; not under FSDP, whose units are the modules it shards), so a plan
+  checkpoints a unit whole or one of its children.
 - The model's own code is never checkpointed, and a unit only when it is called once per step and
-  carries no hooks (a replay would run them again), so a checkpointed region is exactly one unit call.
-  `rewrite_units` (rewrite/units.py) wraps those units in checkpoint on a copy of the module tree along their
-  paths, sharing every parameter, buffer and untouched submodule with the model.
+  carries no hooks (a replay would run them again), so a checkpointed region is exactly one call of a
+  unit or of a unit's child. `rewrite_units` (rewrite/units.py) wraps those in checkpoint on a copy of
+  the module tree along their paths, sharing every parameter, buffer and untouched submodule with the
+  model.
 """
 
 from __future__ import annotations
@@ -37,9 +41,12 @@ MODEL_CALL = "_planner_model_call"
 model's own module paths, and its own code is never checkpointed."""
 
 
-def capture_model_call(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Capture:
+def capture_model_call(
+    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, nested_units: bool
+) -> Capture:
     """A graph of one node that calls `model(*args, **kwargs)` as written, for the profiling step to
-    split at the model's units. Its inputs are the call's arguments, nested values as they are."""
+    split at the model's units (and with `nested_units` at their children too). Its inputs are the
+    call's arguments, nested values as they are."""
     holder = nn.Module()
     holder.add_module(MODEL_CALL, model)
     graph = fx.Graph()
@@ -52,4 +59,5 @@ def capture_model_call(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[
         opaque_modules=(MODEL_CALL,),
         call=GraphCall(signature=inspect.signature(model.forward)),
         inputs=(*args, *kwargs.values()),
+        nested_units=nested_units,
     )

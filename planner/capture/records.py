@@ -218,6 +218,9 @@ class Capture:
     """The example call as the graph takes it (`GraphCall.graph_inputs` of the example)."""
     exported_modules: tuple[str, ...] = ()
     """Containers FX could not trace that torch.export captured and the graph inlines."""
+    nested_units: bool = False
+    """At the module level: whether each unit's own children are units too (NOTE [nested units] in
+    profiler/split_calls.py); not under FSDP, whose units are the modules it shards."""
 
     def label(self, split: Collection[str] = ()) -> str:
         """`path`, saying which opaque modules (or modules kept whole for their hooks) a profile

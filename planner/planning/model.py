@@ -284,7 +284,12 @@ class Profile:
                 meta_model = meta_copy(self.model)
                 meta_args, meta_kwargs = _on_meta((args, kwargs))
                 if self.capture is None:
-                    captured = capture_model_call(meta_model, meta_args, meta_kwargs)
+                    captured = capture_model_call(
+                        meta_model,
+                        meta_args,
+                        meta_kwargs,
+                        nested_units=settings.sharding is not Sharding.FSDP,
+                    )
                 else:
                     captured = capture(meta_model, meta_args, meta_kwargs)
                     constants_on_meta(captured.graph_module)
@@ -512,7 +517,7 @@ def _profile_units(
     reason: str,
 ) -> Profile:
     """The module level of the capture chain (capture/model_call.py), used for `reason`."""
-    captured = capture_model_call(model, args, kwargs)
+    captured = capture_model_call(model, args, kwargs, nested_units=settings.sharding is not Sharding.FSDP)
     profiled = build_activation_graph(
         captured,
         model,

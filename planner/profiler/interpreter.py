@@ -55,7 +55,7 @@ from planner.profiler.records import (
     free_dead_values,
 )
 from planner.profiler.selective_cost import draws_random_numbers
-from planner.profiler.split_calls import SplitCall, split_calls, static_split_calls
+from planner.profiler.split_calls import SplitCall, static_units
 from planner.profiler.static_memory import constant_bytes, extra_static_tensors, optimizer_name, static_bytes
 from planner.profiler.step_prices import checkpoint_cost, cost_spec, device_of, selective_op_overhead_ms
 
@@ -526,7 +526,7 @@ def _profiled_graph(
             "checkpointing only matters for training steps"
         )
     with preserved_state(model):
-        split = static_split_calls(graph_module, inputs, split_calls(captured))
+        split = static_units(graph_module, inputs, captured)
         tracker = _measuring_tracker(model, inputs, graph_module)
         with _rng_replayed(), tracker, _attention_on_meta(model, inputs, spec):
             interpreter, _ = _profile_step(graph_module, inputs, loss_fn, targets, tracker, split)

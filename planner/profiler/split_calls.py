@@ -10,6 +10,26 @@ copy of the module, or the whole call (NOTE [split calls] in simulation/step.py)
 A call whose children are called depending on the data (a mixture of experts routing tokens by their
 values) is not split: checkpointing one expert would move bytes with the routing from step to step,
 which no profile of one step can bound (`static_split_calls`).
+
+NOTE [freed as a call returns]: the temporaries of the expression that called a child (`x +
+self.dropout(self.down(h))`: the `down` output the dropout read) are freed as the child returns, before
+the glue after it allocates anything, and a storage a glue part frees counts as read by it; so the
+simulator, which frees what a node reads after the node's own allocations, held the `down` output
+alive beside the residual sum the glue makes, and every nested block was predicted 64 KiB above its
+measurement. A storage freed before its glue allocates anything is read last by the part before it,
+where that part read or made it (otherwise it would become an input that part holds when
+checkpointed: NOTE [the child's arguments]).
+
+NOTE [nested units]: at the module level (capture/model_call.py) the units are the model's blocks, and
+a plan of whole blocks lost to a hand method that checkpoints a smaller module in every block: on
+BLOOM, whose GELU (a custom autograd Function) keeps it from torch.export, `checkpoint_wrapper` on every
+BloomAttention measured 3.23 MiB where our lowest plan was 3.36 (a block's replay holds all its
+intermediates at once; the attention's alone holds less). So each unit's call is split in turn: its
+own code is glue with the unit as its `part_of`, and its children are parts of it. CheckpointRule
+(simulation/step.py) then lets a region be one child call, or every part of one unit's call (the
+unit, checkpointed whole), and never cuts the model's own code, which is not checkpointable. Units
+whose children are called depending on the data stay whole (`static_units`), and FSDP's units stay
+whole too: they are the modules it shards.
 """
 
 from __future__ import annotations
@@ -17,20 +37,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import fx
 from torch.utils._pytree import tree_map
 
-from planner.capture.chain import candidate_units, has_hooks
+from planner.capture.chain import CONTAINERS, candidate_units, has_hooks
 from planner.capture.model_call import MODEL_CALL
 from planner.capture.records import Capture
 from planner.ir import GLUE_OP
 from planner.profiler.counting import storage_bytes, tensors_in
 from planner.profiler.records import RANDOM_MODULES, Meters, NodeRecord, ProfilingTracker
 
-__all__ = ["NodeRecorder", "SplitCall", "called_at_random", "split_calls", "static_split_calls"]
+__all__ = [
+    "NodeRecorder",
+    "SplitCall",
+    "called_at_random",
+    "split_calls",
+    "static_split_calls",
+    "static_units",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +76,21 @@ class NodeRecorder(Protocol):
     def finish_node(self, record: NodeRecord, args: Any, output: Any, *, every_new: bool = False) -> None: ...
 
     def call_module(self, target: Any, args: Any, kwargs: dict[str, Any]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class _Level:
+    """A call whose own code the split call's parts record as glue: the split call, or a nested unit's
+    call inside it (NOTE [nested units])."""
+
+    name: str
+    """The `part_of` of its parts."""
+    path: str
+    """Its module path."""
+    checkpointable: bool
+    """Whether a plan may checkpoint it whole."""
+    call: Any
+    """Its arguments (a nested unit's), read by its last glue."""
 
 
 class SplitCall:
@@ -81,21 +124,30 @@ class SplitCall:
         self.started = 0.0
         self.child_call: Any = ()
         """The arguments of the child call that runs now."""
-        self.child_outputs: dict[str, list[str]] = {}
-        """Each child part -> the storages its output holds (NOTE [outputs the caller holds])."""
+        self.child_outputs: dict[str, tuple[str, list[str]]] = {}
+        """Each child part -> the call it is part of and the storages its output holds (NOTE [outputs
+        the caller holds])."""
+        self.nested = frozenset(
+            unit for unit in units if any(other.startswith(f"{unit}.") for other in units)
+        )
+        """Units whose own children are units too, split in turn (NOTE [nested units])."""
+        self.levels: list[_Level] = [_Level(node.name, self.path, self.whole_call_checkpointable, ())]
+        """The calls open now, the split call first and the nested unit that runs now last."""
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tracker = self.interpreter.tracker
         handles = []
         for unit in self.units:
             child = self.module.get_submodule(unit)
+            before = self._enter if unit in self.nested else self._before_child
+            after = self._leave if unit in self.nested else self._after_child
             handles.append(
                 child.register_forward_pre_hook(
-                    lambda _m, a, k, unit=unit: self._before_child(unit, (a, k)), with_kwargs=True
+                    lambda _m, a, k, unit=unit, before=before: before(unit, (a, k)), with_kwargs=True
                 )
             )
             handles.append(
-                child.register_forward_hook(lambda _m, a, k, out: self._after_child(out), with_kwargs=True)
+                child.register_forward_hook(lambda _m, a, k, out, after=after: after(out), with_kwargs=True)
             )
         self._open_glue()
         if tracker is not None:
@@ -108,9 +160,9 @@ class SplitCall:
             if tracker is not None:
                 tracker.on_free = None
         self._close(self.parts[-1], (args, kwargs), output)
-        self._hold_unread_outputs()
+        self._hold_unread_outputs(self.node.name)
         for part in self.parts:
-            if part.op != GLUE_OP and self.calls[part.module_path] > 1:
+            if self.calls.get(part.module_path, 1) > 1:
                 part.checkpointable = False  # one region would checkpoint several calls
         return output
 
@@ -122,16 +174,19 @@ class SplitCall:
         self.started = time.perf_counter()
 
     def _open_glue(self) -> None:
-        glue = sum(part.op == GLUE_OP for part in self.parts)
+        """Open a part for the code of the call that runs now (the split call's, or a nested unit's)."""
+        level = self.levels[-1]
+        glue = sum(part.op == GLUE_OP and part.part_of == level.name for part in self.parts)
+        module = self.module.get_submodule(level.path[len(self.path) :].lstrip("."))
         self._open(
             NodeRecord(
-                name=f"{self.node.name}.glue{glue}",
+                name=f"{level.name}.glue{glue}",
                 op=GLUE_OP,
-                module_path=self.path,
+                module_path=level.path,
                 inputs=(),
-                stateful=any(True for _ in self.module.buffers()),
-                checkpointable=self.whole_call_checkpointable,
-                part_of=self.node.name,
+                stateful=any(True for _ in module.buffers()),
+                checkpointable=level.checkpointable,
+                part_of=level.name,
             )
         )
 
@@ -148,15 +203,36 @@ class SplitCall:
             self.meters.charge(part, inputs, handed_on)
             self.interpreter.finish_node(part, inputs, handed_on)
 
-    def _before_child(self, unit: str, call: Any) -> None:
-        self._close(self.parts[-1], (), call)
+    def _counted_call(self, unit: str) -> tuple[str, str]:
+        """The module path of a call of `unit` and the name of its part (or of its nested call)."""
         path = f"{self.path}.{unit}" if self.path else unit
         self.calls[path] = self.calls.get(path, 0) + 1
-        child = self.module.get_submodule(unit)
         count = self.calls[path]
+        return path, f"{self.node.name}.{unit}" + (f"#{count}" if count > 1 else "")
+
+    def _enter(self, unit: str, call: Any) -> None:
+        """A nested unit's call begins: its own code is glue of its own (NOTE [nested units])."""
+        self._close(self.parts[-1], (), call)
+        path, name = self._counted_call(unit)
+        self.levels.append(_Level(name, path, unit not in self.hooked, call))
+        self._open_glue()
+
+    def _leave(self, output: Any) -> None:
+        level = self.levels[-1]
+        part = self.parts[-1]
+        self._close(part, level.call, output)
+        self._hold_unread_outputs(level.name)
+        self.levels.pop()
+        self._note_output(part, output)
+        self._open_glue()
+
+    def _before_child(self, unit: str, call: Any) -> None:
+        self._close(self.parts[-1], (), call)
+        path, name = self._counted_call(unit)
+        child = self.module.get_submodule(unit)
         self._open(
             NodeRecord(
-                name=f"{self.node.name}.{unit}" + (f"#{count}" if count > 1 else ""),
+                name=name,
                 op=type(child).__name__,
                 module_path=path,
                 inputs=(),
@@ -164,7 +240,7 @@ class SplitCall:
                 stateful=any(True for _ in child.buffers()),
                 buffer_bytes=storage_bytes(child.buffers()),
                 checkpointable=unit not in self.hooked,
-                part_of=self.node.name,
+                part_of=self.levels[-1].name,
             )
         )
         self.child_call = call
@@ -179,13 +255,20 @@ class SplitCall:
         part = self.parts[-1]
         self._close(part, self.child_call, output)
         self.child_call = ()
+        self._note_output(part, output)
+        self._open_glue()
+
+    def _note_output(self, part: NodeRecord, output: Any) -> None:
+        """Note what a child call of the call that runs now (ended by `part`) hands back."""
         tracker = self.interpreter.tracker
         if tracker is not None:
             names = (tracker.name_of(tensor, create=False) for tensor in tensors_in(output))
-            self.child_outputs[part.name] = [name for name in names if name is not None]
-        self._open_glue()
+            self.child_outputs[part.name] = (
+                self.levels[-1].name,
+                [name for name in names if name is not None],
+            )
 
-    def _hold_unread_outputs(self) -> None:
+    def _hold_unread_outputs(self, call: str) -> None:
         """NOTE [outputs the caller holds]: a child's output that no later part reads is held by the
         call's code until the call returns (`outputs = self.wav2vec2(...)` keeps every field of the
         output, read or not, until the loss is computed). In the profiled step the child itself saves it
@@ -196,21 +279,35 @@ class SplitCall:
         last = self.parts[-1]
         read_later: set[str] = set()
         for part in reversed(self.parts):
-            for name in self.child_outputs.get(part.name, ()):
+            caller, names = self.child_outputs.get(part.name, ("", []))
+            for name in names if caller == call else ():
                 if name not in read_later and name not in last.reads:
                     last.reads.append(name)
             read_later.update(part.reads)
 
     def _freed(self, name: str) -> None:
-        """A named storage freed while a part runs: that part is its last reader."""
+        """A named storage freed while a part runs: that part is its last reader, unless it is glue that
+        has allocated nothing yet and the part before it read or made the storage (NOTE [freed as a
+        call returns])."""
         part = self.interpreter.current
-        if part is not None and name not in part.reads and name not in part.creates:
-            part.reads.append(name)
+        if part is None or name in part.reads or name in part.creates:
+            return
+        tracker = self.interpreter.tracker
+        if part.op == GLUE_OP and len(self.parts) > 1 and tracker is not None:
+            previous = self.parts[-2]
+            if tracker.allocated_since_mark_bytes == 0 and (
+                name in previous.reads or name in previous.creates
+            ):
+                if name not in previous.reads:
+                    previous.reads.append(name)
+                return
+        part.reads.append(name)
 
 
-def split_calls(captured: Capture) -> dict[str, tuple[str, ...]]:
+def split_calls(captured: Capture, *, nested: bool = True) -> dict[str, tuple[str, ...]]:
     """Modules the capture kept as one node (opaque, or whole for their hooks) whose calls are
-    profiled in parts, with the children that cut them (NOTE [split calls] in simulation/step.py)."""
+    profiled in parts, with the children that cut them (NOTE [split calls] in simulation/step.py), and
+    with `nested`, at the module level, their children's children (NOTE [nested units])."""
     graph_module = captured.graph_module
     found: dict[str, tuple[str, ...]] = {}
     for node in graph_module.graph.nodes:
@@ -220,9 +317,38 @@ def split_calls(captured: Capture) -> dict[str, tuple[str, ...]]:
         module = graph_module.get_submodule(target)
         if target in captured.opaque_modules or has_hooks(module):
             units = tuple(candidate_units(module))
+            if units and nested and target == MODEL_CALL and captured.nested_units:
+                units = _with_their_children(module, units)
             if units:
                 found[target] = units
     return found
+
+
+def _with_their_children(module: torch.nn.Module, units: tuple[str, ...]) -> tuple[str, ...]:
+    """`units`, each followed by its own children (NOTE [nested units])."""
+    return tuple(path for unit in units for path in (unit, *_children_of(module, unit)))
+
+
+def _children_of(module: torch.nn.Module, path: str) -> list[str]:
+    """The children of the submodule at `path`, containers replaced by their children."""
+    found: list[str] = []
+    for name, child in module.get_submodule(path).named_children():
+        found.extend(
+            _children_of(module, f"{path}.{name}") if isinstance(child, CONTAINERS) else [f"{path}.{name}"]
+        )
+    return found
+
+
+def static_units(
+    graph_module: fx.GraphModule, inputs: tuple[Any, ...], captured: Capture
+) -> dict[str, tuple[str, ...]]:
+    """The split calls to profile and their units: nested units where their calls are static too, else
+    the units alone (a block whose children are called by the data is still checkpointed whole)."""
+    split = static_split_calls(graph_module, inputs, split_calls(captured))
+    unnested = {
+        target: units for target, units in split_calls(captured, nested=False).items() if target not in split
+    }
+    return split | static_split_calls(graph_module, inputs, unnested)
 
 
 def static_split_calls(

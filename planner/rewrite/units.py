@@ -2,8 +2,8 @@
 
 Why it exists: a model neither torch.fx nor torch.export can capture, or one planned for FSDP, is planned
 by its submodules (capture/model_call.py), and its plan has no graph to fuse: each checkpointed region is
-exactly one unit call. `rewrite_units` wraps those units in checkpoint on a copy of the module tree along
-their paths, sharing every parameter, buffer and untouched submodule with the model, as
+exactly one call of a unit or of a unit's child. `rewrite_units` wraps those in checkpoint on a copy of
+the module tree along their paths, sharing every parameter, buffer and untouched submodule with the model, as
 `gradient_checkpointing_enable` does by hand, and the root passes for the model's class as emit.py's
 planned modules do (NOTE [drop-in]).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from planner.ir import ActivationGraph, Schedule
+from planner.ir import GLUE_OP, ActivationGraph, Schedule
 from planner.rewrite.emit import planned_class, with_checkpointed_units
 
 __all__ = ["rewrite_units"]
@@ -25,8 +25,20 @@ def rewrite_units(model: torch.nn.Module, graph: ActivationGraph, schedule: Sche
     submodules stay the model's own); the root passes for the model's class (NOTE [drop-in] in
     emit.py).
     """
-    assert all(region.stop - region.start == 1 for region in schedule.checkpointed), "glue separates units"
-    paths = [graph.nodes[region.start].module_path for region in schedule.checkpointed]
+    paths = [_unit_path(graph, region.start, region.stop) for region in schedule.checkpointed]
     planned = with_checkpointed_units(model, paths)
     planned.__class__ = planned_class(type(model), runs_graph=False)
     return planned
+
+
+def _unit_path(graph: ActivationGraph, start: int, stop: int) -> str:
+    """The module path of the unit a checkpointed region is: one unit call, or every part of a nested
+    unit's call (its own code and its children's calls: NOTE [nested units] in
+    profiler/split_calls.py)."""
+    nodes = graph.nodes[start:stop]
+    if len(nodes) == 1 and nodes[0].op != GLUE_OP:
+        return nodes[0].module_path
+    (call,) = {node.part_of for node in nodes}  # CheckpointRule: glue separates units
+    first, last = nodes[0], nodes[-1]
+    assert first.op == GLUE_OP and last.op == GLUE_OP and first.module_path == last.module_path, call
+    return first.module_path

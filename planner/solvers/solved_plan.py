@@ -14,11 +14,12 @@ load, save and report plans without it.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 
 from planner.errors import format_bytes
-from planner.ir import PLAN_SCHEMA, ActivationGraph, BudgetKind, Schedule, SimulationResult
+from planner.ir import GLUE_OP, PLAN_SCHEMA, ActivationGraph, BudgetKind, Node, Schedule, SimulationResult
 from planner.serialize import graph_from_dict, graph_to_dict, schedule_from_dict, schedule_to_dict
 from planner.simulation.reserved import ReservedPrediction, predict_reserved
 from planner.simulation.step import simulate, store_everything
@@ -141,7 +142,7 @@ class SolvedPlan:
         summaries = []
         for region in self.schedule.checkpointed:
             nodes = self.graph.nodes[region.start : region.stop]
-            modules = tuple(dict.fromkeys(node.module_path for node in nodes if node.module_path))
+            modules = _outermost_paths(nodes)
             summaries.append(
                 RegionSummary(
                     first_node=nodes[0].name, last_node=nodes[-1].name, modules=modules, node_count=len(nodes)
@@ -200,3 +201,11 @@ class SolvedPlan:
             f"predicted_peak={format_bytes(self.predicted_peak_bytes)}, "
             f"predicted_overhead={self.predicted_overhead:.1%}, regions={len(self.schedule.checkpointed)})"
         )
+
+
+def _outermost_paths(nodes: Sequence[Node]) -> tuple[str, ...]:
+    """The module paths a region runs, in order, less those inside a call it checkpoints whole (a split
+    call's glue is in the region: NOTE [nested units] in profiler/split_calls.py)."""
+    whole = {node.module_path for node in nodes if node.op == GLUE_OP and node.module_path}
+    paths = dict.fromkeys(node.module_path for node in nodes if node.module_path)
+    return tuple(path for path in paths if not any(path.startswith(f"{call}.") for call in whole))

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import planner
-from planner.ir import MemoryCounting
+from planner.ir import GLUE_OP, MemoryCounting
 from planner.planning.graph import plan_graph
 from planner.profiler.records import Meters
 from planner.testing.steps import assert_same_step, one_step
@@ -81,15 +81,19 @@ def test_the_module_level_goes_through_the_same_object() -> None:
 
 def test_a_unit_measures_what_its_replay_frees_early(mlp_profile: planner.Profile) -> None:
     """NOTE [replay's early frees]: checkpoint frees a replayed tensor once the backward formula is done
-    with it, so a checkpointed Linear's input goes before its bias gradient is made. The block
-    `branching_root` runs first takes the model's input, so everything it saves is its own and is
-    replayed when the block is checkpointed: its backward peaks lower by its last Linear's bias
+    with it, so a checkpointed Linear's input goes before its bias gradient is made. In the block
+    `branching_root` runs first (its call split at its children: NOTE [nested units] in
+    planner/profiler/split_calls.py), each Linear's input is made inside the block, so it is a
+    replay's copy when the block is checkpointed: each Linear's backward peaks lower by its bias
     gradient. A graph of single operators is profiled once and has no such figure."""
     call = build_call("branching_root")
     profile = planner.profile(call.model, call.args)
-    first = next(node for node in profile.graph.nodes if node.op == "ResidualBlock")
-    bias = call.model.get_submodule(first.module_path).mlp[3].bias
-    assert first.replay_release_bytes == MemoryCounting.BLOCKS.of(bias.nbytes), first
+    first = next(node for node in profile.graph.nodes if node.part_of and node.op != GLUE_OP)
+    linears = [node for node in profile.graph.nodes if node.part_of == first.part_of and node.op == "Linear"]
+    assert len(linears) == 2, linears
+    for linear in linears:
+        bias = call.model.get_submodule(linear.module_path).bias
+        assert linear.replay_release_bytes == MemoryCounting.BLOCKS.of(bias.nbytes), linear
     assert not any(node.replay_release_bytes for node in mlp_profile.graph.nodes)
 
 

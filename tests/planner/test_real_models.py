@@ -100,8 +100,9 @@ def test_hooks_run_once_per_call_and_are_never_replayed(mid_budget_plan: MidBudg
 
 
 def test_hooked_submodules_of_an_exportable_model_are_planned_at_the_module_level() -> None:
-    """torch.export would inline the hooked last layer; the module level calls it and checkpoints only
-    the first, whose replay does not run the hook."""
+    """torch.export would inline the hooked last layer; the module level calls it, never checkpoints it
+    whole (a replay would run its hook again), and may checkpoint its children (NOTE [nested units] in
+    planner/profiler/split_calls.py), whose replays do not run the layer's hook."""
     call = build_call("transformer_encoder")
     calls: list[int] = []
     call.model.layers[1].register_forward_hook(lambda module, inputs, output: calls.append(1))
@@ -116,7 +117,9 @@ def test_hooked_submodules_of_an_exportable_model_are_planned_at_the_module_leve
         budget_bytes=reference.min_peak_bytes,
         solver=SOLVER,
     )
-    assert [region.modules for region in plan.regions] == [("layers.0",)]
+    checkpointed = [module for region in plan.regions for module in region.modules]
+    assert "layers.1" not in checkpointed, checkpointed
+    assert any(module.startswith("layers.1.") for module in checkpointed), checkpointed
     calls.clear()
     assert plan.module is not None
     assert_same_step(

@@ -536,27 +536,31 @@ def _profile_units(
 def _check_units(
     model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], graph: ActivationGraph, reason: str
 ) -> None:
-    """Raise `UnsupportedModel` (after `reason`) when the module level found no unit to checkpoint.
+    """Raise `UnsupportedModel` (after `reason`) when the module level found no unit to checkpoint, or
+    units that the forward calls at random.
 
     NOTE [layers called at random]: a root forward that skips layers at random (LayerDrop, Hugging Face
     wav2vec2's default `layerdrop=0.1`) calls other units from one step to the next, which the module
     level's probe cannot tell from calls that follow the data (`static_split_calls`). The refusal then
     says which it is, and how to turn the skipping off, rather than blaming the data; before, wav2vec2's
-    refusal said its submodules were called "depending on the data".
+    refusal said its submodules were called "depending on the data". Every plan by units is checked so
+    (`called_at_random`'s forwards), not only one whose probe found no unit: the probe's three forwards
+    drew the same layers often enough that wav2vec2 with LayerDrop was planned, and its plans measured
+    up to 738,816 B below their prediction when a layer was skipped (`python -m bench.out_of_zoo`).
     """
+    candidates = tuple(candidate_units(model))
+    with preserved_state(model):
+        random_calls = called_at_random(model, candidates, args, kwargs)
+    if random_calls:
+        raise UnsupportedModel(
+            f"{reason}; and at the module level the forward of {type(model).__name__} calls other "
+            f"submodules among {list(candidates)[:6]} from one run to the next on the same inputs "
+            "(layers skipped at random: LayerDrop, or stochastic depth that skips), so no plan of one "
+            "step holds for the next; turn the skipping off to plan it (Hugging Face: "
+            "config.layerdrop = 0.0 before building the model)"
+        )
     units = [node for node in graph.nodes if node.part_of and node.op != GLUE_OP]
     if not units:
-        candidates = tuple(candidate_units(model))
-        with preserved_state(model):
-            random_calls = called_at_random(model, candidates, args, kwargs)
-        if random_calls:
-            raise UnsupportedModel(
-                f"{reason}; and at the module level the forward of {type(model).__name__} calls other "
-                f"submodules among {list(candidates)[:6]} from one run to the next on the same inputs "
-                "(layers skipped at random: LayerDrop, or stochastic depth that skips), so no plan of one "
-                "step holds for the next; turn the skipping off to plan it (Hugging Face: "
-                "config.layerdrop = 0.0 before building the model)"
-            )
         raise UnsupportedModel(
             f"{reason}; and at the module level the forward of {type(model).__name__} calls its submodules "
             f"{list(candidates)[:6]} depending on the data (other calls or shapes on other inputs), so "

@@ -18,6 +18,7 @@ from planner.solvers import solve
 from planner.testing.hand_methods import hand_methods
 from planner.testing.steps import assert_same_step, one_step
 from planner.testing.synthetic_graphs import all_schedules, random_dag, with_split_call
+from planner.testing.zoo_dag import InlineMoEBlock
 from planner.testing.zoo_real import build_call
 
 SPLIT_DAGS = {
@@ -399,3 +400,34 @@ def test_layers_skipped_at_random_are_refused_whatever_the_probe_drew(seed: int)
     model, inputs = RareLayerDrop(), (torch.randn(8, 32),)
     with pytest.raises(planner.UnsupportedModel, match="layerdrop = 0.0"):
         planner.optimize(model, inputs, budget_bytes=2**40)
+
+
+class RoutedBehindABranch(nn.Module):
+    """Blocks that route tokens to experts by value (children called depending on the data), behind a
+    root that branches on a value (planned by its submodules)."""
+
+    def __init__(self, width: int = 32, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(InlineMoEBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().max() > 1e3:
+            x = x / x.abs().max()
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).log_softmax(-1)
+
+
+def test_a_block_whose_children_follow_the_data_stays_one_unit() -> None:
+    """NOTE [nested units]: a block that routes tokens to its experts by value calls other experts on other
+    inputs, so its call is not split (checkpointing one expert would move bytes with the routing);
+    the block stays one unit, checkpointed whole, and the lowest plan fits and trains as the model."""
+    torch.manual_seed(0)
+    model, inputs = RoutedBehindABranch(), (torch.randn(4, 16, 32),)
+    plan = lowest_plan(model, inputs)
+    assert plan.capture == "module", plan.capture
+    blocks = [node.module_path for node in plan.graph.nodes if node.module_path.startswith("blocks.")]
+    assert blocks == ["blocks.0", "blocks.1"], blocks
+    assert plan.schedule.checkpointed, plan.summary()
+    assert_fits_and_trains_alike(plan, model, inputs)

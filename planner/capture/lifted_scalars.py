@@ -18,7 +18,9 @@ number, as eager ran it, where the result's dtype is the same either way. Any ot
 the number at each call (`aten.full` with the constant's dtype and device), as eager's
 `torch.tensor(number)` made it, and the constant goes too: DeBERTa-v2's attention scales (`torch.tensor`
 of a size, then `sqrt`, a tensor divisor) left six such constants, predicted as resident and seen by no
-measurement, so its plans were predicted up to 3,072 B above their measured steps.
+measurement, so its plans were predicted up to 3,072 B above their measured steps. A one-element
+constant of one or more dimensions (`torch.tensor([n])`: Falcon's attention lifted four, and its plans
+were predicted 2,048 B above their steps) is made at each call the same way, with its shape.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ LIFT_FRESH_COPY = torch.ops.aten.lift_fresh_copy.default
 
 
 def scalars_given_back(graph_module: fx.GraphModule) -> int:
-    """Give 0-dim constants back to their readers as numbers, or make them at each call (NOTE [lifted
-    scalars]); returns how many constants went."""
+    """Give 0-dim constants back to their readers as numbers, or make one-element constants at each call
+    (NOTE [lifted scalars]); returns how many constants went."""
     graph = graph_module.graph
     given_back = 0
     for copy in list(graph.find_nodes(op="call_function", target=LIFT_FRESH_COPY)):
@@ -44,13 +46,13 @@ def scalars_given_back(graph_module: fx.GraphModule) -> int:
         if not isinstance(source, fx.Node) or source.op != "get_attr":
             continue
         constant = _attribute(graph_module, str(source.target))
-        if not isinstance(constant, torch.Tensor) or constant.dim() != 0 or constant.is_meta:
+        if not isinstance(constant, torch.Tensor) or constant.numel() != 1 or constant.is_meta:
             continue
         number = constant.item()
         overloads = {reader: _scalar_overload(reader, copy, number) for reader in copy.users}
         if not overloads:
             continue
-        if any(overload is None for overload in overloads.values()):
+        if constant.dim() != 0 or any(overload is None for overload in overloads.values()):
             _made_per_call(graph, copy, constant, number)
         else:
             for reader, overload in overloads.items():
@@ -68,11 +70,12 @@ def scalars_given_back(graph_module: fx.GraphModule) -> int:
 
 
 def _made_per_call(graph: fx.Graph, copy: fx.Node, constant: torch.Tensor, number: Any) -> None:
-    """Replace `copy` of the 0-dim `constant` by a tensor made from `number` at each call (NOTE [lifted
-    scalars]): the same value, dtype and device, and no constant held between calls."""
+    """Replace `copy` of the one-element `constant` by a tensor made from `number` at each call (NOTE
+    [lifted scalars]): the same shape, value, dtype and device, and no constant held between calls."""
+    shape = list(constant.shape)
     with graph.inserting_before(copy):
         fresh = graph.call_function(
-            torch.ops.aten.full.default, ([], number), {"dtype": constant.dtype, "device": constant.device}
+            torch.ops.aten.full.default, (shape, number), {"dtype": constant.dtype, "device": constant.device}
         )
     fresh.meta = dict(copy.meta)
     copy.replace_all_uses_with(fresh)

@@ -153,3 +153,36 @@ def test_a_value_nothing_reads_is_no_later_nodes_workspace() -> None:
     schedule = middle_block_checkpointed(graph)
     measured = planner.measure(profile.rewrite(schedule), (x,)).peak_bytes
     assert simulate(graph, schedule).peak_bytes == measured
+
+
+class OffsetByAOneElementTensor(nn.Module):
+    """Adds `torch.tensor([size])` to its positions, as Falcon's attention makes one-element tensors:
+    export lifts each as a (1,) constant copied at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCABULARY, WIDTH)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
+
+    def forward(self, ids: torch.Tensor, **options: Any) -> torch.Tensor:
+        hidden = self.embedding(ids)
+        for block in self.blocks:
+            offset = torch.tensor([hidden.size(-1)])
+            hidden = hidden + block(hidden).relu() * (offset / 64)
+        return hidden.square().mean()
+
+
+def test_a_one_element_constant_is_made_at_each_call_with_its_shape() -> None:
+    """Falcon's four one-element constants were predicted resident and seen by no measurement: its plans
+    were predicted 2,048 B above their steps."""
+    model = OffsetByAOneElementTensor()
+    captured = capture(model, (_ids(),), {})
+    assert captured.path == "export"
+    made = captured.graph_module.graph.find_nodes(op="call_function", target=FULL)
+    assert [node.args[0] for node in made] == [[1]] * 3, [node.args for node in made]
+    assert constant_bytes(captured.graph_module, model) == 0
+    profile = planner.profile(model, (_ids(),))
+    schedule = middle_block_checkpointed(profile.graph)
+    planned = profile.rewrite(schedule)
+    assert simulate(profile.graph, schedule).peak_bytes == planner.measure(planned, (_ids(),)).peak_bytes
+    assert_same_step(one_step(model, (_ids(),)), one_step(planned, (_ids(),)))

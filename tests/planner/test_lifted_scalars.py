@@ -64,6 +64,15 @@ def middle_block_checkpointed(graph: ActivationGraph) -> Schedule:
     )
 
 
+def assert_middle_block_predicted_exactly(model: nn.Module) -> None:
+    """With the middle block checkpointed, the step is predicted to the byte and trains as the model."""
+    profile = planner.profile(model, (_ids(),))
+    schedule = middle_block_checkpointed(profile.graph)
+    planned = profile.rewrite(schedule)
+    assert simulate(profile.graph, schedule).peak_bytes == planner.measure(planned, (_ids(),)).peak_bytes
+    assert_same_step(one_step(model, (_ids(),)), one_step(planned, (_ids(),)))
+
+
 def _ids() -> torch.Tensor:
     return torch.randint(0, VOCABULARY, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
 
@@ -122,11 +131,7 @@ def test_a_constant_no_operator_takes_as_a_number_is_made_at_each_call_and_predi
     assert captured.path == "export"
     assert len(captured.graph_module.graph.find_nodes(op="call_function", target=FULL)) == 3
     assert constant_bytes(captured.graph_module, model) == 0
-    profile = planner.profile(model, (_ids(),))
-    schedule = middle_block_checkpointed(profile.graph)
-    planned = profile.rewrite(schedule)
-    assert simulate(profile.graph, schedule).peak_bytes == planner.measure(planned, (_ids(),)).peak_bytes
-    assert_same_step(one_step(model, (_ids(),)), one_step(planned, (_ids(),)))
+    assert_middle_block_predicted_exactly(model)
 
 
 class DeadView(nn.Module):
@@ -155,14 +160,9 @@ def test_a_value_nothing_reads_is_no_later_nodes_workspace() -> None:
     assert simulate(graph, schedule).peak_bytes == measured
 
 
-class OffsetByAOneElementTensor(nn.Module):
+class OffsetByAOneElementTensor(ScaledBySize):
     """Adds `torch.tensor([size])` to its positions, as Falcon's attention makes one-element tensors:
     export lifts each as a (1,) constant copied at every call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(VOCABULARY, WIDTH)
-        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
 
     def forward(self, ids: torch.Tensor, **options: Any) -> torch.Tensor:
         hidden = self.embedding(ids)
@@ -181,8 +181,4 @@ def test_a_one_element_constant_is_made_at_each_call_with_its_shape() -> None:
     made = captured.graph_module.graph.find_nodes(op="call_function", target=FULL)
     assert [node.args[0] for node in made] == [[1]] * 3, [node.args for node in made]
     assert constant_bytes(captured.graph_module, model) == 0
-    profile = planner.profile(model, (_ids(),))
-    schedule = middle_block_checkpointed(profile.graph)
-    planned = profile.rewrite(schedule)
-    assert simulate(profile.graph, schedule).peak_bytes == planner.measure(planned, (_ids(),)).peak_bytes
-    assert_same_step(one_step(model, (_ids(),)), one_step(planned, (_ids(),)))
+    assert_middle_block_predicted_exactly(model)

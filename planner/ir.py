@@ -221,6 +221,10 @@ class Node:
     operator_count: int = 1
     """Operators the forward dispatches: a selective checkpoint policy calls back once for each."""
     random: bool = False
+    draws_python: bool = False
+    """Whether the forward drew from Python's or NumPy's global generator when profiled (a layer that skips
+    itself when `random.random()` says so, kept whole by the capture): a checkpoint holding the node sets
+    those generators back for its replay (NOTE [Python draws replayed] in rewrite/emit.py)."""
     stateful: bool = False
     in_place: bool = False
     checkpointable: bool = True

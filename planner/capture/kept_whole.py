@@ -46,7 +46,9 @@ While the chain traces (`refused_while_tracing`, and `refuse_traced_call` for wh
 raises `ChangesTraining`: FX keeps the submodule whose forward does it as one opaque node, called as
 written, and a root that does it goes on to export; export fails where a custom Function is applied or
 a tensor hook registered, so a container stays opaque and a root goes on to the module level. Such a
-module is then checkpointed whole or not at all.
+module is then checkpointed whole or not at all; one that draws from Python's or NumPy's generator is
+never split at its children (`static_split_calls`), and its checkpoint replays its draws (NOTE [Python
+draws replayed] in rewrite/emit.py).
 """
 
 from __future__ import annotations
@@ -63,7 +65,16 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["ChangesTraining", "refuse_traced_call", "refused_while_tracing", "stored_during"]
+__all__ = [
+    "ChangesTraining",
+    "drawing_generators",
+    "drawing_generators_restored",
+    "generator_states",
+    "refuse_traced_call",
+    "refused_while_tracing",
+    "set_drawing_generators",
+    "stored_during",
+]
 
 PYTHON_DRAWS = (
     "random", "uniform", "randint", "randrange", "choice", "choices", "sample", "shuffle", "gauss",
@@ -167,12 +178,12 @@ class _PythonDrawsRefused(contextlib.AbstractContextManager[None]):
                 if hasattr(module, name):
                     self.patched.append((module, name, getattr(module, name)))
                     setattr(module, name, _refused_draw(f"{module.__name__}.{name}"))
-        self.states = _generator_states()
+        self.states = generator_states()
 
     def __exit__(self, *exception: object) -> None:
         for module, name, original in self.patched:
             setattr(module, name, original)
-        after = _generator_states()
+        after = generator_states()
         if exception[0] is None and any(after[name] != state for name, state in self.states.items()):
             raise ChangesTraining(
                 "the forward draws from Python's or NumPy's global random generator: a trace would make "
@@ -190,13 +201,38 @@ def _draw_modules() -> list[tuple[Any, tuple[str, ...]]]:
     return found
 
 
-def _generator_states() -> dict[str, Any]:
-    """The states of Python's global generator and, where NumPy's is loaded, of NumPy's, by module name,
-    comparable with `==`."""
+def drawing_generators() -> dict[str, Any]:
+    """The states of Python's global generator and, where NumPy is loaded, of NumPy's, by module name,
+    as `set_drawing_generators` sets them back."""
     states: dict[str, Any] = {"random": random.getstate()}
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
-        kind, keys, position, has_gauss, cached = numpy_random.get_state()
+        states["numpy.random"] = numpy_random.get_state()
+    return states
+
+
+def set_drawing_generators(states: dict[str, Any]) -> None:
+    """Set the generators back to `states` (from `drawing_generators`)."""
+    random.setstate(states["random"])
+    if "numpy.random" in states:
+        sys.modules["numpy.random"].set_state(states["numpy.random"])
+
+
+@contextlib.contextmanager
+def drawing_generators_restored() -> Iterator[None]:
+    """Python's and NumPy's generators set back after the block, as `torch.random.fork_rng` does torch's."""
+    states = drawing_generators()
+    try:
+        yield
+    finally:
+        set_drawing_generators(states)
+
+
+def generator_states() -> dict[str, Any]:
+    """`drawing_generators`, comparable with `==`: a call that changes them drew from Python or NumPy."""
+    states = drawing_generators()
+    if "numpy.random" in states:
+        kind, keys, position, has_gauss, cached = states["numpy.random"]
         states["numpy.random"] = (kind, keys.tobytes(), position, has_gauss, cached)
     return states
 

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from planner.capture.kept_whole import refused_while_tracing, stored_during
+from planner.capture.kept_whole import drawing_generators_restored, refused_while_tracing, stored_during
 from planner.errors import UnsupportedModel
 
 __all__ = [
@@ -89,10 +89,11 @@ def _is_container(module: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def _state_preserved(model: torch.nn.Module) -> Iterator[None]:
-    """Run the model without changing its buffers (BatchNorm statistics) or the caller's RNG stream, with
-    grad enabled as a training step runs it (a forward may take a gradient of its own)."""
+    """Run the model without changing its buffers (BatchNorm statistics) or the caller's random streams
+    (torch's, Python's and NumPy's), with grad enabled as a training step runs it (a forward may take a
+    gradient of its own)."""
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+    with torch.random.fork_rng(devices=[]), drawing_generators_restored(), torch.enable_grad():
         try:
             yield
         finally:

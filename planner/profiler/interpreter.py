@@ -29,6 +29,7 @@ from torch import fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from planner.capture.chain import replays_safely
+from planner.capture.kept_whole import drawing_generators_restored
 from planner.capture.records import Capture
 from planner.ir import ActivationGraph, CostModel, MemoryCounting, Node, TrainingStep
 from planner.profiler.attention import planned_attention
@@ -408,9 +409,15 @@ def _measuring_tracker(
     return tracker
 
 
-def _rng_replayed() -> contextlib.AbstractContextManager[Any]:
-    """The random state restored after the block: a second measuring step draws the same numbers."""
-    return torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else [])
+@contextmanager
+def _rng_replayed() -> Iterator[None]:
+    """The random state restored after the block, Python's and NumPy's generators with torch's: a second
+    measuring step draws the same numbers (a layer that skips itself when `random.random()` says so
+    skips in both or in neither: NOTE [Python draws] in capture/kept_whole.py), and profiling leaves the
+    user's streams where they were."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices), drawing_generators_restored():
+        yield
 
 
 def _measure_released_peaks(
@@ -472,6 +479,7 @@ def _to_nodes(
                 moved_bytes=record.moved_bytes,
                 operator_count=record.operator_count,
                 random=record.random,
+                draws_python=record.draws_python,
                 stateful=record.stateful,
                 in_place=record.in_place,
                 checkpointable=record.checkpointable,

@@ -27,6 +27,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from planner.capture.kept_whole import generator_states
 from planner.ir import MemoryCounting
 from planner.profiler.counting import LiveStorageTracker, storage_of, tensors_in
 from planner.profiler.selective_cost import OperatorCounter, saved_when_kept
@@ -88,6 +89,7 @@ class NodeRecord:
     moved_bytes: int = 0
     operator_count: int = 1
     random: bool = False
+    draws_python: bool = False
     stateful: bool = False
     in_place: bool = False
     checkpointable: bool = True
@@ -220,7 +222,8 @@ def _flop_counter() -> FlopCounterMode:
 
 class Meters:
     """FLOPs, dispatched operators and random draws of the code run under it, charged to one node after
-    another (a node that draws is `random`, whatever its code: a split call's glue calling dropout)."""
+    another (a node that draws is `random`, whatever its code: a split call's glue calling dropout; one
+    that moves Python's or NumPy's global generator `draws_python`)."""
 
     def __init__(self, *, counting: bool) -> None:
         self.flops = _flop_counter() if counting else None
@@ -228,12 +231,14 @@ class Meters:
         self.charged_flops = 0
         self.charged_operators = 0
         self.charged_random = 0
+        self.charged_generators: dict[str, Any] = {}
         self._stack = ExitStack()
 
     def __enter__(self) -> Meters:
         if self.flops is not None:
             self._stack.enter_context(self.flops)
             self._stack.enter_context(self.operators)
+            self.charged_generators = generator_states()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -250,9 +255,12 @@ class Meters:
         record.forward_flops = flops - self.charged_flops
         record.operator_count = max(1, operators - self.charged_operators)
         record.random = record.random or self.operators.random_count > self.charged_random
+        generators = generator_states()
+        record.draws_python = record.draws_python or generators != self.charged_generators
         record.moved_bytes = moved_bytes(inputs, output) if glue_moved_bytes is None else glue_moved_bytes
         self.charged_flops, self.charged_operators = flops, operators
         self.charged_random = self.operators.random_count
+        self.charged_generators = generators
 
 
 def _tensor_bytes(value: Any) -> int:

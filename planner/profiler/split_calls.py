@@ -45,6 +45,7 @@ from torch import fx
 from torch.utils._pytree import tree_map
 
 from planner.capture.chain import CONTAINERS, candidate_units, has_hooks
+from planner.capture.kept_whole import generator_states
 from planner.capture.model_call import MODEL_CALL
 from planner.capture.records import Capture
 from planner.ir import GLUE_OP
@@ -344,9 +345,12 @@ def static_units(
 ) -> dict[str, tuple[str, ...]]:
     """The split calls to profile and their units: nested units where their calls are static too, else
     the units alone (a block whose children are called by the data is still checkpointed whole)."""
-    split = static_split_calls(graph_module, inputs, split_calls(captured))
+    candidates = split_calls(captured)
+    split = static_split_calls(graph_module, inputs, candidates)
     unnested = {
-        target: units for target, units in split_calls(captured, nested=False).items() if target not in split
+        target: units
+        for target, units in split_calls(captured, nested=False).items()
+        if target not in split and units != candidates[target]
     }
     return split | static_split_calls(graph_module, inputs, unnested)
 
@@ -360,9 +364,12 @@ def static_split_calls(
     A mixture of experts routes each token by its values: checkpointing one expert would save bytes
     that change with the routing from step to step (fewer tokens to a checkpointed expert leave more to
     the stored ones), which no profile of one step can bound. Such a call stays one node (checkpointed
-    whole, its total is the same for any routing). Runs one forward, and each candidate twice more per
-    call, with grad enabled as a training step runs them (a forward may take a gradient of its own);
-    the caller restores buffers and the RNG state.
+    whole, its total is the same for any routing). A call that draws from Python's or NumPy's generator
+    stays whole too (NOTE [Python draws] in capture/kept_whole.py): its children may follow the draw,
+    which three probes need not see (a layer skipping itself at p = 0.5 was split after one profile in
+    four, run as a split call another step). Runs one forward, and each candidate twice more per call,
+    with grad enabled as a training step runs them (a forward may take a gradient of its own); the caller
+    restores buffers and the random state.
     """
     verdicts: dict[str, bool] = {}
     if not candidates:
@@ -370,10 +377,12 @@ def static_split_calls(
 
     def probe(target: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         units = candidates[target]
+        generators = generator_states()
         seen = [_child_calls(module, units, args, kwargs)]
         for _ in range(PERTURBED_PROBES):
             seen.append(_child_calls(module, units, *_perturbed((args, kwargs))))
-        static = seen[0] is not None and all(calls == seen[0] for calls in seen)
+        drew = generator_states() != generators
+        static = not drew and seen[0] is not None and all(calls == seen[0] for calls in seen)
         verdicts[target] = verdicts.get(target, True) and static
 
     handles = [
@@ -390,7 +399,7 @@ def static_split_calls(
             handle.remove()
     for target, static in verdicts.items():
         if not static:
-            log.info("%s calls its children depending on the data: it stays one node", target)
+            log.info("%s calls its children depending on the data or a draw: it stays one node", target)
     return {target: units for target, units in candidates.items() if verdicts.get(target, False)}
 
 

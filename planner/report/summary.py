@@ -79,6 +79,19 @@ def _eager_draw_rows(compiled: CompiledStep) -> list[str]:
     return []
 
 
+def _python_draw_rows(graph: ActivationGraph) -> list[str]:
+    """Which calls drew from Python's or NumPy's generator in the profiled step: their figures are the
+    branch that step drew (NOTE [Python draws] in capture/kept_whole.py)."""
+    drawn = (node.part_of or node.module_path or node.name for node in graph.nodes if node.draws_python)
+    drawing = list(dict.fromkeys(drawn))
+    if not drawing:
+        return []
+    return [
+        f"  {', '.join(drawing[:4])} drew from Python's or NumPy's random generator when profiled: the",
+        "  figures are for steps that draw as it did (a layer it skipped, another step runs)",
+    ]
+
+
 def _source_rows(plan: SolvedPlan) -> list[str]:
     """Where the figures come from: a profiled eager step, or the compiled step's joint graph and the
     peak `optimize(..., compile=True)` measured."""
@@ -88,6 +101,7 @@ def _source_rows(plan: SolvedPlan) -> list[str]:
             "  every figure is predicted by the simulator from one profiled step "
             f"({_timing_note(plan.graph.timing)});",
             "  measure plan.module with planner.measure for measured figures",
+            *_python_draw_rows(plan.graph),
         ]
     if compiled.graph_breaks:
         rows = [

@@ -39,7 +39,7 @@ import copy
 import functools
 import sys
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
@@ -48,6 +48,7 @@ from torch import fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from planner.capture.kept_whole import drawing_generators, set_drawing_generators
 from planner.capture.records import Capture
 from planner.errors import UnplannedStep, UnsupportedModel, format_bytes
 from planner.ir import ActivationGraph, Schedule, TrainingStep
@@ -81,6 +82,34 @@ def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+
+
+def _python_draws_replayed() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """NOTE [Python draws replayed]: checkpoint restores torch's generators for a replay, not Python's or
+    NumPy's. A module the capture keeps whole because it draws from them (NOTE [Python draws] in
+    capture/kept_whole.py: a layer that skips itself when `random.random()` says so) then drew again in
+    its replay: checkpointed at the lowest budget, a layer that ran in the forward was skipped in the
+    replay under 3 of 8 seeds, and backward raised CheckpointError (5 tensors saved, 0 recomputed). The
+    forward context notes the generators' states; the replay's sets them back for the replay and
+    restores the states it found after it, as checkpoint does for torch's. Only checkpoints holding a
+    node that drew when profiled (`Node.draws_python`) pay for it (about 0.1 ms a call)."""
+    drawn_from: dict[str, Any] = {}
+
+    @contextmanager
+    def forward() -> Iterator[None]:
+        drawn_from.update(drawing_generators())
+        yield
+
+    @contextmanager
+    def replay() -> Iterator[None]:
+        found = drawing_generators()
+        set_drawing_generators(drawn_from)
+        try:
+            yield
+        finally:
+            set_drawing_generators(found)
+
+    return forward(), replay()
 
 
 _KEEPING: contextvars.ContextVar[bool] = contextvars.ContextVar("planner_keeping", default=False)
@@ -132,11 +161,18 @@ class CheckpointedRegion(torch.nn.Module):
     """
 
     def __init__(
-        self, body: fx.GraphModule, keep_names: set[str] | None = None, *, whole_calls: bool = False
+        self,
+        body: fx.GraphModule,
+        keep_names: set[str] | None = None,
+        *,
+        whole_calls: bool = False,
+        draws_python: bool = False,
     ) -> None:
         super().__init__()
         self.body = body
         self.has_buffers = any(True for _ in body.buffers())
+        self.draws_python = draws_python
+        """Whether the replay sets Python's and NumPy's generators back (NOTE [Python draws replayed])."""
         self.selective = bool(keep_names)
         self.eager_under_compile = whole_calls and self.has_buffers
         """Run this region eagerly, outside dynamo, when torch.compile compiles the planned module: it
@@ -153,6 +189,9 @@ class CheckpointedRegion(torch.nn.Module):
             forward, replay = _stacked(_not_keeping(), forward), _stacked(_not_keeping(), replay)
         if self.has_buffers:
             replay = _stacked(_buffers_restored(self.body), replay)
+        if self.draws_python:
+            forward_draws, replay_draws = _python_draws_replayed()
+            forward, replay = _stacked(forward_draws, forward), _stacked(replay_draws, replay)
         return forward, replay
 
     def forward(self, *args: Any) -> Any:
@@ -203,6 +242,9 @@ breaks, its eager replay needs no contexts (the RNG is preserved either way)."""
 UNIT_FORWARD_ATTRIBUTE = "_planner_unit_forward"
 UNIT_BUFFERS_ATTRIBUTE = "_planner_unit_has_buffers"
 """Set on a wrapped unit that has buffers: compiled, it runs outside dynamo (NOTE [checkpointed breaks])."""
+UNIT_DRAWS_ATTRIBUTE = "_planner_unit_draws_python"
+"""Set on a wrapped unit that drew from Python's or NumPy's generators when profiled (NOTE [Python draws
+replayed])."""
 
 
 class CheckpointedUnit:
@@ -214,10 +256,11 @@ class CheckpointedUnit:
     """
 
     @staticmethod
-    def wrap(unit: torch.nn.Module) -> torch.nn.Module:
+    def wrap(unit: torch.nn.Module, *, draws_python: bool = False) -> torch.nn.Module:
         wrapped = copy.copy(unit)
         wrapped.__class__ = _checkpointed_class(type(unit))
         setattr(wrapped, UNIT_BUFFERS_ATTRIBUTE, any(True for _ in unit.buffers()))
+        setattr(wrapped, UNIT_DRAWS_ATTRIBUTE, draws_python)
         return wrapped
 
 
@@ -267,7 +310,12 @@ _unit_checkpointed_outside_dynamo = torch.compiler.disable(_unit_checkpointed)
 
 def _unit_contexts(unit: torch.nn.Module) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
     has_buffers = any(True for _ in unit.buffers())
-    return nullcontext(), _buffers_restored(unit) if has_buffers else nullcontext()
+    forward: AbstractContextManager[Any] = nullcontext()
+    replay: AbstractContextManager[Any] = _buffers_restored(unit) if has_buffers else nullcontext()
+    if getattr(unit, UNIT_DRAWS_ATTRIBUTE, False):
+        forward_draws, replay_draws = _python_draws_replayed()
+        forward, replay = forward_draws, _stacked(replay_draws, replay)
+    return forward, replay
 
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -366,21 +414,25 @@ def _split(graph_module: fx.GraphModule, regions: Sequence[RegionNodes]) -> fx.G
     for number, (region, _) in enumerate(fused):
         name = f"{REGION_PREFIX}{number}"
         body = getattr(split, name)
-        region_module = CheckpointedRegion(body, set(region.keep), whole_calls=region.whole_calls)
+        region_module = CheckpointedRegion(
+            body, set(region.keep), whole_calls=region.whole_calls, draws_python=region.draws_python
+        )
         setattr(split, name, region_module)
     # NOTE [split calls] in simulation/step.py: a child call runs under checkpoint inside a copy of its caller
     units = [region.unit_path for region in regions if region.unit_path is not None]
-    with_checkpointed_units(split, units, copy_root=False)
+    drawing = {region.unit_path for region in regions if region.unit_path is not None and region.draws_python}
+    with_checkpointed_units(split, units, copy_root=False, drawing=drawing)
     split.recompile()
     return split
 
 
 def with_checkpointed_units(
-    root: torch.nn.Module, paths: list[str], *, copy_root: bool = True
+    root: torch.nn.Module, paths: list[str], *, copy_root: bool = True, drawing: Collection[str] = ()
 ) -> torch.nn.Module:
     """`root` (or with `copy_root` a shallow copy of it) in which the submodules at `paths` run under
-    checkpoint (`CheckpointedUnit`). The modules on the way to them are shallow copies, so parameters,
-    buffers and every other submodule stay the model's own, and the model is not changed."""
+    checkpoint (`CheckpointedUnit`), those in `drawing` replaying Python's draws (NOTE [Python draws
+    replayed]). The modules on the way to them are shallow copies, so parameters, buffers and every
+    other submodule stay the model's own, and the model is not changed."""
     planned = copy.copy(root) if copy_root else root
     if copy_root:
         planned._modules = dict(root._modules)
@@ -395,7 +447,7 @@ def with_checkpointed_units(
             parent = child
         unit = parent._modules[parts[-1]]
         assert unit is not None
-        parent._modules[parts[-1]] = CheckpointedUnit.wrap(unit)
+        parent._modules[parts[-1]] = CheckpointedUnit.wrap(unit, draws_python=path in drawing)
     return planned
 
 

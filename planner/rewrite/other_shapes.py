@@ -79,6 +79,9 @@ class RegionNodes:
     whole_calls: bool = False
     """Whether the region holds the whole of a split call: code FX could not trace, which torch.compile
     may break its graph in (NOTE [checkpointed breaks] in planner/rewrite/emit.py)."""
+    draws_python: bool = False
+    """Whether a node of the region drew from Python's or NumPy's global generator when profiled: its
+    replay sets them back (NOTE [Python draws replayed] in planner/rewrite/emit.py)."""
 
 
 def regions_of(graph: ActivationGraph, schedule: Schedule) -> list[RegionNodes]:
@@ -90,12 +93,16 @@ def _region_nodes(graph: ActivationGraph, region: Region) -> RegionNodes:
     """`region` of `graph` as FX node names: the parts of a split call are its caller's node."""
     nodes = graph.nodes[region.start : region.stop]
     first = nodes[0]
+    draws_python = any(node.draws_python for node in nodes)
     if len(nodes) == 1 and first.part_of and first.op != GLUE_OP:
-        return RegionNodes(names=(first.part_of,), keep=frozenset(), unit_path=first.module_path)
+        return RegionNodes(
+            names=(first.part_of,), keep=frozenset(), unit_path=first.module_path, draws_python=draws_python
+        )
     return RegionNodes(
         names=tuple(dict.fromkeys(node.part_of or node.name for node in nodes)),
         keep=frozenset(graph.nodes[index].name for index in region.keep),
         whole_calls=any(node.op == GLUE_OP and node.part_of for node in nodes),
+        draws_python=draws_python,
     )
 
 

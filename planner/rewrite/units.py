@@ -26,7 +26,12 @@ def rewrite_units(model: torch.nn.Module, graph: ActivationGraph, schedule: Sche
     emit.py).
     """
     paths = [_unit_path(graph, region.start, region.stop) for region in schedule.checkpointed]
-    planned = with_checkpointed_units(model, paths)
+    drawing = {
+        path
+        for path, region in zip(paths, schedule.checkpointed, strict=True)
+        if any(node.draws_python for node in graph.nodes[region.start : region.stop])
+    }
+    planned = with_checkpointed_units(model, paths, drawing=drawing)
     planned.__class__ = planned_class(type(model), runs_graph=False)
     return planned
 

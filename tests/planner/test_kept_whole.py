@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 import planner
+from planner.ir import Region, RegionPolicy, Schedule
 from planner.testing.steps import assert_same_step, one_step
 
 WIDTH = 64
@@ -315,16 +316,71 @@ def _step_with_python_seed(model: nn.Module, inputs: tuple[torch.Tensor], seed: 
 
 def test_a_layer_that_python_draws_skip_is_drawn_each_step() -> None:
     """NOTE [Python draws]: the layer is kept whole and run as written, so `plan.module` skips it when the
-    model does, under every seed; and a root that skips its layers so is refused, saying how to stop it."""
+    model does, under every seed; it is never split at its children, whatever the profile drew (before,
+    two of eight Python seeds split it), and the summary says its figures are the profile's draw's; and
+    a root that skips its layers so is refused, saying how to stop it."""
     model, inputs = example(nn.Sequential(mlp_block(), SkippedByPythonDraw(), mlp_block()))
-    plan = planner.optimize(model, inputs, budget_gb=1)
-    assert plan.capture == "fx (opaque: 1)", plan.capture
+    for seed in range(8):
+        random.seed(seed)
+        plan = planner.optimize(model, inputs, budget_gb=1)
+        assert plan.capture == "fx (opaque: 1)", (seed, plan.capture)
+        assert random.getstate() == random.Random(seed).getstate(), "optimize drew from the user's stream"
+    assert "1 drew from Python's or NumPy's random generator when profiled" in plan.summary()
     steps = [_step_with_python_seed(plan.module, inputs, seed) for seed in range(6)]
     for seed, step in enumerate(steps):
         assert_same_step(_step_with_python_seed(model, inputs, seed), step)
     assert len({step.loss.item() for step in steps}) > 1, "the layer ran, or was skipped, under every seed"
     with pytest.raises(planner.UnsupportedModel, match="layerdrop = 0.0"):
         planner.optimize(LayerDropByABoundDraw(), inputs, budget_gb=1)
+
+
+class ScaledByPythonDraw(nn.Module):
+    """An MLP whose hidden features are scaled by `random.uniform` (a jitter older code draws so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x) * random.uniform(0.5, 1.5)))
+
+
+class SkippedWideByPythonDraw(ScaledByPythonDraw):
+    """The MLP, skipped when `random.random()` says so."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and random.random() < 0.5:
+            return x
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("layer", [ScaledByPythonDraw, SkippedWideByPythonDraw])
+def test_a_layer_drawing_from_python_replays_its_draw_when_checkpointed(layer: type[nn.Module]) -> None:
+    """NOTE [Python draws replayed] in planner/rewrite/emit.py: checkpoint restores torch's generators for
+    a replay, not Python's; the layer checkpointed whole drew again in its replay, so its scale differed
+    between forward and replay (other gradients), or it ran in one and was skipped in the other
+    (CheckpointError: 5 tensors saved, 0 recomputed). Its checkpoint sets Python's generator back for
+    the replay and leaves it where the step left it, as the model's own step does."""
+    model, inputs = example(nn.Sequential(mlp_block(), layer(), mlp_block()))
+    plan = planner.optimize(model, inputs, budget_gb=1)
+    assert plan.profile is not None
+    drawing = [index for index, node in enumerate(plan.graph.nodes) if node.draws_python]
+    assert [plan.graph.nodes[index].module_path for index in drawing] == ["1"], plan.graph.nodes
+    (index,) = drawing
+    around_the_layer = Schedule(
+        regions=(
+            Region(0, index, RegionPolicy.STORE),
+            Region(index, index + 1, RegionPolicy.CHECKPOINT),
+            Region(index + 1, len(plan.graph.nodes), RegionPolicy.STORE),
+        ),
+        solver="test",
+    )
+    checkpointed = plan.profile.rewrite(around_the_layer)
+    for seed in range(6):
+        expected = _step_with_python_seed(model, inputs, seed)
+        after_the_model = random.getstate()
+        assert_same_step(expected, _step_with_python_seed(checkpointed, inputs, seed))
+        assert random.getstate() == after_the_model
 
 
 FIRST_EXPORT_OF_A_PROCESS = """

@@ -47,8 +47,8 @@ raises `ChangesTraining`: FX keeps the submodule whose forward does it as one op
 written, and a root that does it goes on to export; export fails where a custom Function is applied or
 a tensor hook registered, so a container stays opaque and a root goes on to the module level. Such a
 module is then checkpointed whole or not at all; one that draws from Python's or NumPy's generator is
-never split at its children (`static_split_calls`), and its checkpoint replays its draws (NOTE [Python
-draws replayed] in rewrite/emit.py).
+split at its children only where they are not called at random (`static_split_calls`), and its
+checkpoint replays its draws (NOTE [Python draws replayed] in rewrite/emit.py).
 """
 
 from __future__ import annotations

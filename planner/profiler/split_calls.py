@@ -365,11 +365,12 @@ def static_split_calls(
     that change with the routing from step to step (fewer tokens to a checkpointed expert leave more to
     the stored ones), which no profile of one step can bound. Such a call stays one node (checkpointed
     whole, its total is the same for any routing). A call that draws from Python's or NumPy's generator
-    stays whole too (NOTE [Python draws] in capture/kept_whole.py): its children may follow the draw,
-    which three probes need not see (a layer skipping itself at p = 0.5 was split after one profile in
-    four, run as a split call another step). Runs one forward, and each candidate twice more per call,
-    with grad enabled as a training step runs them (a forward may take a gradient of its own); the caller
-    restores buffers and the random state.
+    (NOTE [Python draws] in capture/kept_whole.py) may call other children as the draw says, which three
+    probes need not see (a layer skipping itself at p = 0.5 was split after one profile in four): it is
+    split only where `called_at_random`'s forwards all call the same children. Runs one forward, and each
+    candidate twice more per call (and up to `RANDOM_CALL_PROBES` more where it draws so), with grad
+    enabled as a training step runs them (a forward may take a gradient of its own); the caller restores
+    buffers and the random state.
     """
     verdicts: dict[str, bool] = {}
     if not candidates:
@@ -381,8 +382,9 @@ def static_split_calls(
         seen = [_child_calls(module, units, args, kwargs)]
         for _ in range(PERTURBED_PROBES):
             seen.append(_child_calls(module, units, *_perturbed((args, kwargs))))
-        drew = generator_states() != generators
-        static = not drew and seen[0] is not None and all(calls == seen[0] for calls in seen)
+        static = seen[0] is not None and all(calls == seen[0] for calls in seen)
+        if static and generator_states() != generators:
+            static = not called_at_random(module, units, args, kwargs)
         verdicts[target] = verdicts.get(target, True) and static
 
     handles = [

@@ -82,13 +82,13 @@ def _eager_draw_rows(compiled: CompiledStep) -> list[str]:
 def _python_draw_rows(graph: ActivationGraph) -> list[str]:
     """Which calls drew from Python's or NumPy's generator in the profiled step: their figures are the
     branch that step drew (NOTE [Python draws] in capture/kept_whole.py)."""
-    drawn = (node.part_of or node.module_path or node.name for node in graph.nodes if node.draws_python)
+    drawn = (node.module_path or "the model's own forward" for node in graph.nodes if node.draws_python)
     drawing = list(dict.fromkeys(drawn))
     if not drawing:
         return []
     return [
-        f"  {', '.join(drawing[:4])} drew from Python's or NumPy's random generator when profiled: the",
-        "  figures are for steps that draw as it did (a layer it skipped, another step runs)",
+        f"  drew from Python's or NumPy's random generator when profiled: {', '.join(drawing[:4])};",
+        "  figures are for steps that draw as the profiled one did (another draw may run other code)",
     ]
 
 

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 import planner
-from planner.ir import Region, RegionPolicy, Schedule
+from planner.ir import GLUE_OP, Region, RegionPolicy, Schedule
 from planner.testing.steps import assert_same_step, one_step
+from planner.testing.zoo_real import transformers_module
 
 WIDTH = 64
 ROWS = 1024
@@ -325,7 +326,7 @@ def test_a_layer_that_python_draws_skip_is_drawn_each_step() -> None:
         plan = planner.optimize(model, inputs, budget_gb=1)
         assert plan.capture == "fx (opaque: 1)", (seed, plan.capture)
         assert random.getstate() == random.Random(seed).getstate(), "optimize drew from the user's stream"
-    assert "1 drew from Python's or NumPy's random generator when profiled" in plan.summary()
+    assert "drew from Python's or NumPy's random generator when profiled: 1;" in plan.summary()
     steps = [_step_with_python_seed(plan.module, inputs, seed) for seed in range(6)]
     for seed, step in enumerate(steps):
         assert_same_step(_step_with_python_seed(model, inputs, seed), step)
@@ -354,24 +355,32 @@ class SkippedWideByPythonDraw(ScaledByPythonDraw):
         return self.down(torch.relu(self.up(x)))
 
 
-@pytest.mark.parametrize("layer", [ScaledByPythonDraw, SkippedWideByPythonDraw])
-def test_a_layer_drawing_from_python_replays_its_draw_when_checkpointed(layer: type[nn.Module]) -> None:
+@pytest.mark.parametrize(
+    ("layer", "captured"),
+    [(ScaledByPythonDraw, "fx (planned by children: 1)"), (SkippedWideByPythonDraw, "fx (opaque: 1)")],
+)
+def test_a_layer_drawing_from_python_replays_its_draw_when_checkpointed(
+    layer: type[nn.Module], captured: str
+) -> None:
     """NOTE [Python draws replayed] in planner/rewrite/emit.py: checkpoint restores torch's generators for
     a replay, not Python's; the layer checkpointed whole drew again in its replay, so its scale differed
     between forward and replay (other gradients), or it ran in one and was skipped in the other
     (CheckpointError: 5 tensors saved, 0 recomputed). Its checkpoint sets Python's generator back for
-    the replay and leaves it where the step left it, as the model's own step does."""
+    the replay and leaves it where the step left it, as the model's own step does. A layer whose draw
+    picks no child is still split at its children; one that skips them by the draw is not."""
     model, inputs = example(nn.Sequential(mlp_block(), layer(), mlp_block()))
     plan = planner.optimize(model, inputs, budget_gb=1)
-    assert plan.profile is not None
-    drawing = [index for index, node in enumerate(plan.graph.nodes) if node.draws_python]
-    assert [plan.graph.nodes[index].module_path for index in drawing] == ["1"], plan.graph.nodes
-    (index,) = drawing
+    assert plan.profile is not None and plan.capture == captured, plan.capture
+    nodes = plan.graph.nodes
+    assert {node.module_path for node in nodes if node.draws_python} == {"1"}, nodes
+    (drawn,) = {node.part_of or node.name for node in nodes if node.draws_python}
+    call = [index for index, node in enumerate(nodes) if (node.part_of or node.name) == drawn]
+    start, stop = call[0], call[-1] + 1
     around_the_layer = Schedule(
         regions=(
-            Region(0, index, RegionPolicy.STORE),
-            Region(index, index + 1, RegionPolicy.CHECKPOINT),
-            Region(index + 1, len(plan.graph.nodes), RegionPolicy.STORE),
+            Region(0, start, RegionPolicy.STORE),
+            Region(start, stop, RegionPolicy.CHECKPOINT),
+            Region(stop, len(nodes), RegionPolicy.STORE),
         ),
         solver="test",
     )
@@ -406,3 +415,27 @@ def test_the_first_export_of_a_process_is_no_python_draw() -> None:
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-1] == "export"
+
+
+def test_a_forward_drawing_from_numpy_is_still_planned_by_its_submodules() -> None:
+    """wav2vec2's SpecAugment draws its time masks from NumPy's generator in the model's own forward
+    (Hugging Face's default `mask_time_prob` is 0.05). The draw picks no submodule, so the module level
+    still splits the model at its layers (refusing every call that draws left it no unit), and the
+    summary says that its figures are those of the profiled draw."""
+    hf = transformers_module()
+    torch.manual_seed(0)
+    config = hf.Wav2Vec2Config(
+        vocab_size=32, num_hidden_layers=2, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, hidden_size=32, num_attention_heads=2,
+        intermediate_size=64, mask_time_prob=0.3, mask_time_length=2, layerdrop=0.0,
+    )  # fmt: skip
+    model = hf.Wav2Vec2ForCTC(config)
+    model.freeze_feature_encoder()
+    audio, labels = torch.randn(2, 1600), torch.randint(1, 32, (2, 8))
+    plan = planner.optimize(model, example_kwargs={"input_values": audio, "labels": labels}, budget_gb=1)
+    assert plan.capture == "module", plan.capture
+    units = {node.module_path for node in plan.graph.nodes if node.part_of and node.op != GLUE_OP}
+    assert "wav2vec2.encoder.layers.0.attention" in units, units
+    assert "drew from Python's or NumPy's random generator when profiled: the model's own forward" in (
+        plan.summary()
+    )

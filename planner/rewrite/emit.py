@@ -92,7 +92,10 @@ def _python_draws_replayed() -> tuple[AbstractContextManager[None], AbstractCont
     replay under 3 of 8 seeds, and backward raised CheckpointError (5 tensors saved, 0 recomputed). The
     forward context notes the generators' states; the replay's sets them back for the replay and
     restores the states it found after it, as checkpoint does for torch's. Only checkpoints holding a
-    node that drew when profiled (`Node.draws_python`) pay for it (about 0.1 ms a call)."""
+    node that drew when profiled (`Node.draws_python`) pay for it (about 0.1 ms a call), and under
+    torch.compile they run eagerly with these contexts (as NOTE [checkpointed breaks] runs those with
+    buffers): compiled as a checkpoint, the replay drew again, and Python's generator was left where
+    the model's own compiled step did not leave it, under 2 of 4 seeds."""
     drawn_from: dict[str, Any] = {}
 
     @contextmanager
@@ -174,10 +177,10 @@ class CheckpointedRegion(torch.nn.Module):
         self.draws_python = draws_python
         """Whether the replay sets Python's and NumPy's generators back (NOTE [Python draws replayed])."""
         self.selective = bool(keep_names)
-        self.eager_under_compile = whole_calls and self.has_buffers
+        self.eager_under_compile = (whole_calls and self.has_buffers) or draws_python
         """Run this region eagerly, outside dynamo, when torch.compile compiles the planned module: it
         holds a whole call fx could not trace, and buffers its replay must restore (NOTE [checkpointed
-        breaks])."""
+        breaks]), or Python draws its replay must make again (NOTE [Python draws replayed])."""
         if keep_names:
             _mark_kept_nodes(body, keep_names)
 
@@ -284,7 +287,8 @@ def _checkpointed_unit_forward(self: torch.nn.Module, *args: Any, **kwargs: Any)
         return forward(*args, **kwargs)
     if not torch.compiler.is_compiling():
         return _unit_checkpointed(self, forward, args, kwargs)
-    if getattr(self, UNIT_BUFFERS_ATTRIBUTE, False):  # NOTE [checkpointed breaks]
+    if getattr(self, UNIT_BUFFERS_ATTRIBUTE, False) or getattr(self, UNIT_DRAWS_ATTRIBUTE, False):
+        # NOTE [checkpointed breaks], NOTE [Python draws replayed]
         return _unit_checkpointed_outside_dynamo(self, forward, args, kwargs)
     # NOTE [torch.compile]
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

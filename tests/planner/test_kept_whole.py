@@ -31,11 +31,13 @@ from torch import nn
 
 import planner
 from planner.ir import GLUE_OP, Region, RegionPolicy, Schedule
-from planner.testing.steps import assert_same_step, one_step
+from planner.testing.steps import Variant, assert_same_step, one_step
 from planner.testing.zoo_real import transformers_module
 
 WIDTH = 64
 ROWS = 1024
+COMPILED_RTOL = 1e-4
+"""Inductor's kernels sum in another order than eager's."""
 
 
 class ReversedGradient(torch.autograd.Function):
@@ -310,7 +312,7 @@ class LayerDropByABoundDraw(nn.Module):
         return self.head(x)
 
 
-def _step_with_python_seed(model: nn.Module, inputs: tuple[torch.Tensor], seed: int) -> Any:
+def _step_with_python_seed(model: nn.Module | Variant, inputs: tuple[torch.Tensor], seed: int) -> Any:
     random.seed(seed)
     return one_step(model, inputs, seed=seed)
 
@@ -366,8 +368,9 @@ def test_a_layer_drawing_from_python_replays_its_draw_when_checkpointed(
     a replay, not Python's; the layer checkpointed whole drew again in its replay, so its scale differed
     between forward and replay (other gradients), or it ran in one and was skipped in the other
     (CheckpointError: 5 tensors saved, 0 recomputed). Its checkpoint sets Python's generator back for
-    the replay and leaves it where the step left it, as the model's own step does. A layer whose draw
-    picks no child is still split at its children; one that skips them by the draw is not."""
+    the replay and leaves it where the step left it, as the model's own step does; under torch.compile
+    too, where the checkpoint runs eagerly (compiled, its replay drew again). A layer whose draw picks no
+    child is still split at its children; one that skips them by the draw is not."""
     model, inputs = example(nn.Sequential(mlp_block(), layer(), mlp_block()))
     plan = planner.optimize(model, inputs, budget_gb=1)
     assert plan.profile is not None and plan.capture == captured, plan.capture
@@ -385,11 +388,15 @@ def test_a_layer_drawing_from_python_replays_its_draw_when_checkpointed(
         solver="test",
     )
     checkpointed = plan.profile.rewrite(around_the_layer)
+    compiled = copy.deepcopy(checkpointed)
+    compiled_variant = Variant(torch.compile(compiled), dict(compiled.named_parameters()), {})
     for seed in range(6):
         expected = _step_with_python_seed(model, inputs, seed)
         after_the_model = random.getstate()
         assert_same_step(expected, _step_with_python_seed(checkpointed, inputs, seed))
         assert random.getstate() == after_the_model
+        assert_same_step(expected, _step_with_python_seed(compiled_variant, inputs, seed), rtol=COMPILED_RTOL)
+        assert random.getstate() == after_the_model, "compiled, the replay drew again"
 
 
 FIRST_EXPORT_OF_A_PROCESS = """

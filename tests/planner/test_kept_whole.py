@@ -5,7 +5,8 @@ a forward runs under `torch.no_grad()` stay without gradients and under its own 
 hooks]), a loss a forward stores on its module is stored in every step (NOTE [stored on the module]),
 a Function whose backward reads `ctx.saved_tensors` twice is never checkpointed, which
 non-reentrant checkpoint refuses (NOTE [unpacked twice] in planner/profiler/interpreter.py), and a
-forward that draws from Python's generator draws each step (NOTE [Python draws]).
+forward that draws from Python's generator draws each step (NOTE [Python draws]), the same draw in a
+checkpoint's replay (NOTE [Python draws replayed] in planner/rewrite/emit.py).
 
 Before, FX traced a gradient reversal's forward (a view) into the graph, and `plan.module` trained the
 Linear before it with the opposite gradient, without any checkpointing; FX recorded the operators under
@@ -13,7 +14,8 @@ Linear before it with the opposite gradient, without any checkpointing; FX recor
 left a Proxy where a block stored its auxiliary loss; and a plan checkpointing the block that reads its
 saved tensors twice raised `CheckpointError` in its first backward. A forward that takes a gradient of
 its own made `optimize` fail, as capture and profiling ran it under `no_grad`. A layer skipped by
-`random.random()` was skipped, or run, for good.
+`random.random()` was skipped, or run, for good; kept whole, it was split when the profile's probes
+drew alike, and checkpointed, its replay drew again (CheckpointError, or other gradients).
 """
 
 from __future__ import annotations

@@ -73,3 +73,34 @@ def test_a_profiler_already_running_is_left_running_and_scratch_is_not_measured(
         torch.ones(4).sum()
     assert measured == {}
     assert any(event.name() == "aten::sum" for event in profile.profiler.kineto_results.events())
+
+
+def _backward_of_a_concatenated_branch(
+    gradient: torch.Tensor, image: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    branch_gradient = gradient[:, : image.shape[1]]
+    grad_input, _, _ = torch.ops.aten.convolution_backward.default(
+        branch_gradient, image, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]
+    )
+    return grad_input
+
+
+def test_a_sliced_gradient_is_probed_with_its_concatenations_strides() -> None:
+    """NOTE [sliced arguments]: in channels-last the branch's gradient keeps the strides of the whole
+    concatenation's, and mkldnn copies it into a dense one inside the call."""
+    channels, image_shape = 16, (4, 16, 16, 16)
+    graph = make_fx(_backward_of_a_concatenated_branch, tracing_mode="fake")(
+        torch.randn(4, 2 * channels, 16, 16), torch.randn(image_shape), torch.randn(channels, channels, 3, 3)
+    )
+    nodes = list(graph.graph.nodes)
+    dense_graph = make_fx(_backward_of_a_concatenated_branch, tracing_mode="fake")(
+        torch.randn(image_shape), torch.randn(image_shape), torch.randn(channels, channels, 3, 3)
+    )
+    dense_nodes = list(dense_graph.graph.nodes)
+
+    def call_scratch(of: list[torch.fx.Node]) -> int:
+        call = next(node for node in of if node.target is torch.ops.aten.convolution_backward.default)
+        return scratch_bytes(of, channels_last=True)[call]
+
+    gradient_bytes = 4 * 16 * 16 * 16 * 4
+    assert call_scratch(nodes) >= call_scratch(dense_nodes) + gradient_bytes

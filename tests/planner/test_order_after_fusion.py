@@ -22,12 +22,22 @@ class _Dep:
     name: str
 
 
+class _Operator(str):
+    """An FX operator named as the planned graph names it; its target is its name."""
+
+    @property
+    def target(self) -> str:
+        return str(self)
+
+
 @dataclass(frozen=True)
 class _Operators:
     names: tuple[str, ...]
+    op_overload: str | None = None
+    """The operator an extern kernel calls."""
 
-    def get_origins(self) -> tuple[str, ...]:
-        return self.names
+    def get_origins(self) -> tuple[_Operator, ...]:
+        return tuple(_Operator(name) for name in self.names)
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class _Node:
     min_order: int
     reads: tuple[str, ...] = ()
     operators: tuple[str, ...] = ()
+    extern: bool = False
     unmet_dependencies: set[_Dep] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -54,7 +65,10 @@ class _Node:
         return (f"buf_{self.name}",)
 
     def get_nodes(self) -> list[_Part]:
-        return [_Part(_Operators(self.operators))]
+        return [_Part(_Operators(self.operators, self.name if self.extern else None))]
+
+    def is_extern(self) -> bool:
+        return self.extern
 
 
 def _names(nodes: list[Any]) -> list[str]:
@@ -104,6 +118,28 @@ def test_a_kernel_inductor_made_late_runs_where_its_operators_are_planned() -> N
     ]
     positions = planned_positions(nodes, planned)  # type: ignore[arg-type]
     assert positions[nodes[3]] == planned.index("bn_tail")
+    assert _names(in_planned_order(nodes, positions)) == planned
+
+
+def test_a_kernel_an_extern_kernel_realized_runs_where_its_own_operators_are_planned() -> None:
+    """NOTE [realized inputs]: inductor names the convolution backward among the origins of the
+    BatchNorm tail it realizes as that convolution's input; placed there, the tail ran after the
+    replay that the convolution reads, and both were allocated at once."""
+    planned = ["bn_reduce", "bn_tail", "replay_relu", "conv_backward"]
+    nodes = [
+        _Node("bn_reduce", 0),
+        _Node("replay_relu", 1),
+        _Node("bn_tail", 2, reads=("bn_reduce",), operators=("bn_tail", "conv_backward")),
+        _Node(
+            "conv_backward",
+            3,
+            reads=("bn_tail", "replay_relu"),
+            operators=("bn_tail", "conv_backward"),
+            extern=True,
+        ),
+    ]
+    positions = planned_positions(nodes, planned)  # type: ignore[arg-type]
+    assert positions[nodes[2]] == planned.index("bn_tail")
     assert _names(in_planned_order(nodes, positions)) == planned
 
 

@@ -196,8 +196,8 @@ def held_storages(graph: ActivationGraph, region: Region) -> dict[str, int]:
     √n segments of zoo_real Llama 12,800 bytes above their measurement (two regions of its prelude).
     A compiled step's regions are inductor's partitioner's to recompute, for any backward reader of
     what they make, so their inputs stay held (holding none raised a compiled U-Net's lowest plan
-    2.5 KB above its prediction), and so do its outputs that its backward reads (NOTE [saved region
-    outputs])."""
+    2.5 KB above its prediction), and so do its outputs that its own backward reads and a node after
+    it saves (NOTE [saved region outputs])."""
     held: dict[str, int] = {}
     if region.policy is RegionPolicy.STORE:
         for index in range(region.start, region.stop):
